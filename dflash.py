@@ -1,0 +1,725 @@
+"""DFlash speculative decoding: the readable reference.
+
+A small block drafter, conditioned on hidden states captured from the target model,
+proposes a whole block of tokens in one forward pass; the target verifies the block in
+one forward pass and keeps the longest prefix that matches its own greedy choice. The
+output is token-identical to the target's own greedy decode, whatever the drafter is.
+
+This file is the clean reference: plain PyTorch, one generate loop, no caching tricks
+beyond the drafter's context K/V. It is deliberately simple, not fast; `fastpath.py`
+computes the same tokens with static buffers and compiled steps.
+
+    $ python dflash.py                                     # embedded demo pair
+    $ python dflash.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
+
+Shape legend: P prompt length, S context length (tokens the drafter has seen),
+B block size, K drafts per step, W compute width of a draft block (B, or K+1),
+H hidden size, n captured target layers, V vocab, h/hk query/key heads, d head_dim.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DFlashError(ValueError):
+    """Bad input: a checkpoint, config or request that cannot be run. Names the field and value."""
+
+
+# -----------------------------------------------------------------------------
+# Drafter config: resolved once from config.json (spec §6)
+
+@dataclass
+class DraftConfig:
+    hidden_size: int                 # H, must equal the target's
+    intermediate_size: int           # SwiGLU width
+    num_layers: int                  # L drafter layers
+    num_heads: int                   # h query heads (the same in every layer)
+    num_kv_heads: int                # hk key/value heads (GQA)
+    head_dim: int                    # d, from config or H / h
+    rms_norm_eps: float
+    rope_thetas: list[float]         # RoPE base per drafter layer
+    block_size: int                  # B
+    mask_token_id: int               # m, a row of the target's embedding table
+    target_layer_ids: list[int]      # 0-based target layers whose outputs are captured
+    layer_types: list[str]           # "full_attention" or "sliding_attention" per layer
+    sliding_window: int | None       # keys a sliding-layer query sees, ending at itself
+    causal: bool | None              # override of the per-layer causal default, if set
+    laguna: bool                     # poolside Laguna drafter: fused QKV, gate, aux norms
+
+    def is_causal(self, layer: int) -> bool:
+        if self.causal is not None:
+            return self.causal
+        return self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+
+def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """Spread n captured layers evenly from layer 1 to layer T-3 (spec §1)."""
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DFlashError(f"{what}: {path} not found") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise DFlashError(f"{what}: {path} is unreadable ({err})") from None
+
+
+def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) -> DraftConfig:
+    """Resolve a drafter config.json dict. Each DFlash key is read from `dflash_config` first,
+    then the top level. `fc_in_features` (n·H) gives n when the config lists no layer ids."""
+    dflash = raw.get("dflash_config") or {}
+
+    def key(name, required=True):
+        value = dflash.get(name, raw.get(name))
+        if value is None and required:
+            raise DFlashError(f"draft config: '{name}' is missing")
+        return value
+
+    H, L = int(key("hidden_size")), int(key("num_hidden_layers"))
+    num_heads, num_kv_heads = int(key("num_attention_heads")), int(key("num_key_value_heads"))
+    for per_layer in ("num_attention_heads_per_layer", "num_key_value_heads_per_layer"):
+        counts = key(per_layer, required=False)
+        if counts is not None and len(set(counts)) > 1:
+            raise DFlashError(f"draft config: '{per_layer}' = {counts} differ per layer; "
+                              "a DFlash drafter needs one head count for every layer")
+    head_dim = int(key("head_dim", required=False) or H // num_heads)
+
+    laguna = any("Laguna" in arch for arch in raw.get("architectures") or [])
+    if laguna:
+        gating = key("gating", required=False)
+        if gating not in (True, "per-head"):
+            raise DFlashError(f"draft config: 'gating' = {gating!r} is unsupported "
+                              "(a Laguna drafter needs true or \"per-head\")")
+
+    layer_types = key("layer_types", required=False) or ["full_attention"] * L
+    if len(layer_types) != L or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise DFlashError(f"draft config: 'layer_types' = {layer_types} must list "
+                          f"{L} of full_attention/sliding_attention")
+    sliding_window = key("sliding_window", required=False)
+    if "sliding_attention" in layer_types and not sliding_window:
+        raise DFlashError(f"draft config: 'sliding_window' = {sliding_window!r} but layers are sliding")
+    causal = dflash.get("causal", raw.get("is_causal"))
+
+    T_cfg = key("num_target_layers", required=False)
+    if T_cfg is not None and int(T_cfg) != num_target_layers:
+        raise DFlashError(f"draft config: 'num_target_layers' = {T_cfg} but the target has "
+                          f"{num_target_layers} layers")
+    if fc_in_features % H:
+        raise DFlashError(f"draft weights: fc.weight input width {fc_in_features} is not a "
+                          f"multiple of hidden_size {H}")
+    n = fc_in_features // H
+    layer_ids = key("target_layer_ids", required=False)
+    if layer_ids is None:
+        layer_ids = default_layer_ids(num_target_layers, n)
+    layer_ids = [int(i) for i in layer_ids]
+    if len(layer_ids) != n:
+        raise DFlashError(f"draft weights: fc.weight input width {fc_in_features} != "
+                          f"n·H = {len(layer_ids)}·{H} for target_layer_ids {layer_ids}")
+    if any(not 0 <= i < num_target_layers for i in layer_ids):
+        raise DFlashError(f"draft config: 'target_layer_ids' = {layer_ids} out of range "
+                          f"for a target with {num_target_layers} layers")
+    if layer_ids != sorted(set(layer_ids)):
+        raise DFlashError(f"draft config: 'target_layer_ids' = {layer_ids} must be sorted and unique")
+
+    return DraftConfig(
+        hidden_size=H, intermediate_size=int(key("intermediate_size")), num_layers=L,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(key("rms_norm_eps")), rope_thetas=rope_thetas(raw, layer_types),
+        block_size=int(key("block_size")), mask_token_id=int(key("mask_token_id")),
+        target_layer_ids=layer_ids, layer_types=layer_types, sliding_window=sliding_window,
+        causal=None if causal is None else bool(causal), laguna=laguna)
+
+
+def rope_thetas(raw: dict, layer_types: list[str]) -> list[float]:
+    """RoPE base per layer from `rope_parameters` (flat, or keyed by layer type), else `rope_theta`.
+    No silent default: a missing base would quietly give the wrong positions."""
+    params = raw.get("rope_parameters")
+    thetas = []
+    for layer_type in layer_types:
+        p = params.get(layer_type, params) if isinstance(params, dict) else {}
+        theta = p.get("rope_theta", raw.get("rope_theta"))
+        if theta is None:
+            raise DFlashError("draft config: 'rope_theta' is missing (in rope_parameters and at top level)")
+        if p.get("rope_type", "default") != "default" or p.get("partial_rotary_factor", 1.0) != 1.0:
+            raise DFlashError(f"draft config: 'rope_parameters' = {p} is unsupported "
+                              "(only full default RoPE)")
+        thetas.append(float(theta))
+    return thetas
+
+
+# -----------------------------------------------------------------------------
+# Drafter modules (Qwen3-style pre-norm decoder, no embeddings, no LM head)
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        H, h, hk, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hk, d
+        if cfg.laguna:  # fused rows [q (h·d); k (hk·d); v (hk·d)], plus the per-head gate
+            self.qkv_proj = nn.Linear(H, (h + 2 * hk) * d, bias=False)
+            self.g_proj = nn.Linear(H, h, bias=False)
+        else:
+            self.q_proj = nn.Linear(H, h * d, bias=False)
+            self.k_proj = nn.Linear(H, hk * d, bias=False)
+            self.v_proj = nn.Linear(H, hk * d, bias=False)
+        self.o_proj = nn.Linear(h * d, H, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def qkv(self, x):
+        """Project rows to per-head q, k, v: (N, H) -> (N, h, d), (N, hk, d), (N, hk, d)."""
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([h * d, hk * d, hk * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.view(-1, h, d), k.view(-1, hk, d), v.view(-1, hk, d)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+
+class Drafter(nn.Module):
+    """Parameter names are the checkpoint's tensor names, so the state dict is the file."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        n, H = len(cfg.target_layer_ids), cfg.hidden_size
+        if cfg.laguna:
+            self.aux_hidden_norms = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in range(n))
+        self.fc = nn.Linear(n * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint dir: model.safetensors, or shards listed by its index."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index, "draft weights index").get("weight_map") or {}
+        files = sorted(set(weight_map.values()))
+        if not files:
+            raise DFlashError(f"draft weights: {index} has an empty 'weight_map'")
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(load_file(directory / name))
+        except FileNotFoundError:
+            raise DFlashError(f"draft weights: {directory / name} not found") from None
+        except (OSError, SafetensorError) as err:
+            raise DFlashError(f"draft weights: {directory / name} is unreadable ({err})") from None
+    return tensors
+
+
+def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) -> Drafter:
+    """Load a drafter checkpoint dir (any of the three formats of spec §6) for this target."""
+    directory = resolve_dir(path)
+    raw = read_json(directory / "config.json", "draft config")
+    tensors = read_safetensors(directory)
+    if "fc.weight" not in tensors:
+        raise DFlashError(f"draft weights: tensor 'fc.weight' is missing in {directory}")
+    tcfg = target.config.get_text_config()
+    cfg = load_draft_config(raw, tcfg.num_hidden_layers, tensors["fc.weight"].shape[1])
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise DFlashError(f"draft config: 'hidden_size' = {cfg.hidden_size} but the target's is "
+                          f"{tcfg.hidden_size}")
+    vocab_rows = target.get_input_embeddings().weight.shape[0]
+    if not 0 <= cfg.mask_token_id < vocab_rows:
+        raise DFlashError(f"draft config: 'mask_token_id' = {cfg.mask_token_id} is outside the "
+                          f"target's {vocab_rows} embedding rows")
+
+    drafter = Drafter(cfg)
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise DFlashError(f"draft weights: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    if unexpected:
+        raise DFlashError(f"draft weights: {len(unexpected)} unexpected tensors, e.g. {unexpected[:3]}")
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name].shape:
+            raise DFlashError(f"draft weights: '{name}' has shape {tuple(tensor.shape)}, "
+                              f"config implies {tuple(expected[name].shape)}")
+    drafter.load_state_dict(tensors)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def resolve_dir(path: str) -> Path:
+    """A local checkpoint dir, or a hub id fetched into the local cache."""
+    if Path(path).is_dir():
+        return Path(path)
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(path))
+    except Exception as err:  # any hub failure becomes one line naming the path
+        raise DFlashError(f"checkpoint '{path}': not a local dir and not fetchable "
+                          f"({type(err).__name__})") from None
+
+
+# -----------------------------------------------------------------------------
+# Target: load, and capture layer outputs during its own forward
+
+def load_target(path: str, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+    try:
+        target = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, experts_implementation="eager" if device == "cpu" else None)
+    except (OSError, ValueError) as err:
+        raise DFlashError(f"target '{path}': cannot load ({str(err).splitlines()[0]})") from None
+    return target.to(device).eval()
+
+
+def decoder_layers(target: nn.Module) -> nn.ModuleList:
+    """The target's decoder stack: the ModuleList with one entry per hidden layer."""
+    num_layers = target.config.get_text_config().num_hidden_layers
+    for module in target.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise DFlashError(f"target: no decoder stack of {num_layers} layers found")
+
+
+def new_target_cache():
+    # A plain DynamicCache keeps every layer full so it can be cropped; sliding layers still
+    # get their window from the model's own mask (spec §4).
+    from transformers import DynamicCache
+    return DynamicCache()
+
+
+def crop_cache(cache, length: int):
+    """Keep the first `length` positions. A negative crop removes tokens in every 5.x release."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def target_forward(target, ids, start: int, cache, layer_ids: list[int]):
+    """Run the target on ids at positions start.., appending to its cache, and capture the
+    outputs of `layer_ids` (the residual stream leaving each layer, before the final norm).
+    Returns logits (N, V) and features (N, n·H), from this one pass."""
+    captured = {}
+    layers = decoder_layers(target)
+    hooks = [layers[i].register_forward_hook(
+                 lambda mod, args, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+             for i in layer_ids]
+    positions = torch.arange(start, start + len(ids), device=ids.device)[None]   # (1, N)
+    try:
+        out = target(input_ids=ids[None], position_ids=positions, use_cache=True, **{cache_kwarg(target): cache})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    features = torch.cat([captured[i][0] for i in layer_ids], dim=-1) if layer_ids else None  # (N, n·H)
+    return out.logits[0], features                                                           # (N, V)
+
+
+def cache_kwarg(target) -> str:
+    # transformers renamed `past_key_values` to `cache` in 5.2x; accept either release.
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+# -----------------------------------------------------------------------------
+# Drafter block: project context, cache its K/V, decode one block
+
+def rope(x, positions, theta: float):
+    """Rotate-half RoPE at absolute positions: x (N, heads, d), positions (N,)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (d/2,)
+    angles = positions.float()[:, None] * inv_freq[None]                 # (N, d/2)
+    cos = torch.cat([angles, angles], -1).cos().to(x.dtype)[:, None]     # (N, 1, d)
+    sin = torch.cat([angles, angles], -1).sin().to(x.dtype)[:, None]     # (N, 1, d)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def project_context(drafter: Drafter, features):
+    """Captured features (S, n·H) -> context c (S, H); Laguna norms each captured layer first."""
+    if drafter.config.laguna:
+        chunks = features.chunk(len(drafter.aux_hidden_norms), dim=-1)                  # n × (S, H)
+        features = torch.cat([norm(f) for norm, f in zip(drafter.aux_hidden_norms, chunks)], -1)
+    return drafter.hidden_norm(drafter.fc(features))                                    # (S, H)
+
+
+@dataclass
+class DraftContext:
+    """Per drafter layer, context keys (after k_norm and RoPE) and values: (hk, S, d) each."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[1]
+
+
+def new_draft_context(drafter: Drafter, device) -> DraftContext:
+    cfg, p = drafter.config, next(drafter.parameters())
+    empty = lambda: torch.empty(cfg.num_kv_heads, 0, cfg.head_dim, dtype=p.dtype, device=device)
+    return DraftContext([empty() for _ in drafter.layers], [empty() for _ in drafter.layers])
+
+
+def append_context(drafter: Drafter, ctx: DraftContext, c):
+    """KV injection: project new context rows c (N, H) at positions S.. into every layer's K/V.
+    The same k_proj/v_proj serves context and block; Laguna applies the layer's input norm to c."""
+    positions = torch.arange(ctx.length, ctx.length + len(c), device=c.device)          # (N,)
+    for l, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(c) if drafter.config.laguna else c                    # (N, H)
+        _, k, v = attn.qkv(x)                                                           # (N, hk, d)
+        k = rope(attn.k_norm(k), positions, drafter.config.rope_thetas[l])
+        ctx.keys[l] = torch.cat([ctx.keys[l], k.transpose(0, 1)], dim=1)                # (hk, S+N, d)
+        ctx.values[l] = torch.cat([ctx.values[l], v.transpose(0, 1)], dim=1)            # (hk, S+N, d)
+
+
+def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
+    """Which keys each query sees: (Nq,), (Nk,) absolute positions -> (Nq, Nk) bool, or None
+    for no mask. A window keeps at most `window` keys ending at the query (both sides if not causal)."""
+    if not causal and window is None:
+        return None
+    delta = q_pos[:, None] - k_pos[None, :]                                             # (Nq, Nk)
+    visible = torch.ones_like(delta, dtype=torch.bool)
+    if causal:
+        visible &= delta >= 0
+    if window is not None:
+        visible &= (delta < window) & (delta > -window)
+    return visible
+
+
+def draft_block(drafter: Drafter, ctx: DraftContext, block_embeds):
+    """Decode one block: embeddings (W, H) of [bonus, m, ..., m] at positions S..S+W-1, attending
+    to the cached context and to the block itself. Returns the final-normed hidden states (W, H).
+    Block K/V are used once and dropped: the context cache holds context only."""
+    cfg, S, W = drafter.config, ctx.length, len(block_embeds)
+    positions = torch.arange(S, S + W, device=block_embeds.device)                     # (W,)
+    key_positions = torch.arange(S + W, device=block_embeds.device)                    # (S+W,)
+    x = block_embeds                                                                    # (W, H)
+    for l, layer in enumerate(drafter.layers):
+        attn, theta = layer.self_attn, cfg.rope_thetas[l]
+        u = layer.input_layernorm(x)                                                    # (W, H)
+        q, k, v = attn.qkv(u)                                                           # (W, h|hk, d)
+        q = rope(attn.q_norm(q), positions, theta).transpose(0, 1)                      # (h, W, d)
+        k = rope(attn.k_norm(k), positions, theta).transpose(0, 1)                      # (hk, W, d)
+        keys = torch.cat([ctx.keys[l], k], dim=1)                                       # (hk, S+W, d)
+        values = torch.cat([ctx.values[l], v.transpose(0, 1)], dim=1)                   # (hk, S+W, d)
+        mask = attention_mask(positions, key_positions, cfg.is_causal(l), cfg.window(l))
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (h, W, d)
+        o = o.transpose(0, 1)                                                           # (W, h, d)
+        if cfg.laguna:
+            o = gate(attn, u, o)
+        x = x + attn.o_proj(o.reshape(W, -1))                                           # (W, H)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)                                                              # (W, H)
+
+
+def propose(drafter: Drafter, ctx: DraftContext, block, target):
+    """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the argmax of the target's LM head
+    over block rows 1..W-1, embedded with the target's table. Row i predicts position S+i: no shift."""
+    hidden = draft_block(drafter, ctx, target.get_input_embeddings()(block))            # (W, H)
+    return target.get_output_embeddings()(hidden[1:]).argmax(-1)                        # (W-1,)
+
+
+def gate(attn: DraftAttention, u, o):
+    """Laguna's per-head output gate: o[t, h, :] *= softplus(g_proj(u)[t, h]), softplus in fp32."""
+    g = F.softplus(attn.g_proj(u).float()).to(o.dtype)                                  # (W, h)
+    return o * g[..., None]                                                             # (W, h, d)
+
+
+# -----------------------------------------------------------------------------
+# Verification
+
+def verify(drafts, target_tokens) -> int:
+    """Number of leading drafts equal to the target's greedy token at the same position.
+    drafts (k,), target_tokens (k+1,): t_{i-1} is the target's choice where d_i stands."""
+    matches = (drafts == target_tokens[:-1]).long()                                    # (k,)
+    return int(matches.cumprod(0).sum())   # cumprod zeroes everything after the first miss
+
+
+# -----------------------------------------------------------------------------
+# Generation
+
+@dataclass
+class Generation:
+    tokens: list[int]                        # generated ids (prompt excluded), trimmed at a stop
+    acceptance_lengths: list[int] = field(default_factory=list)  # per round: accepted drafts + 1
+    rounds: list[dict] = field(default_factory=list)             # per round: {"draft", "accepted"}
+    position_accepted: list[int] = field(default_factory=list)   # [i]: rounds that accepted draft i+1
+    position_drafted: list[int] = field(default_factory=list)    # [i]: rounds that proposed draft i+1
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification round (bonus included)."""
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def check_request(target, drafter, prompt_ids, max_new_tokens, num_drafts):
+    if len(prompt_ids) == 0:
+        raise DFlashError("prompt: empty (needs at least one token)")
+    if max_new_tokens < 1:
+        raise DFlashError(f"max_new_tokens = {max_new_tokens} must be at least 1")
+    limit = target.config.get_text_config().max_position_embeddings
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise DFlashError(f"prompt + max_new_tokens = {len(prompt_ids)} + {max_new_tokens} exceeds "
+                          f"the target's max_position_embeddings {limit}")
+    if drafter is not None and not 1 <= num_drafts < drafter.config.block_size:
+        raise DFlashError(f"num_drafts = {num_drafts} must be in 1..{drafter.config.block_size - 1} "
+                          f"(block_size {drafter.config.block_size})")
+
+
+@torch.inference_mode()
+def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num_drafts: int | None = None,
+             full_block: bool = True, stop_ids=(), on_tokens=None) -> Generation:
+    """Greedy DFlash decoding, token-identical to the target's own greedy decode.
+    drafter=None decodes with the target alone through the same loop (K = 0).
+    full_block computes all B drafter rows (z-lab); otherwise only K+1.
+    on_tokens(list[int]) is called with each round's committed tokens, for streaming."""
+    K = 0 if drafter is None else (num_drafts or drafter.config.block_size - 1)
+    check_request(target, drafter, prompt_ids, max_new_tokens, K)
+    device = target.get_input_embeddings().weight.device
+    layer_ids = [] if drafter is None else drafter.config.target_layer_ids
+    stops = set(stop_ids)
+
+    # Prefill: target logits for the first token and captured features for the whole prompt.
+    cache = new_target_cache()
+    prompt = torch.tensor(prompt_ids, device=device)                                    # (P,)
+    logits, features = target_forward(target, prompt, 0, cache, layer_ids)
+    bonus = int(logits[-1].argmax())
+    out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
+    if on_tokens:
+        on_tokens([bonus])
+    if drafter is not None:
+        ctx = new_draft_context(drafter, device)
+        append_context(drafter, ctx, project_context(drafter, features))   # draft prefill: S = P
+        width = drafter.config.block_size if full_block else K + 1
+        mask_ids = torch.full((width - 1,), drafter.config.mask_token_id, device=device)
+
+    start = len(prompt_ids)   # position of the bonus token; the target cache holds 0..start-1
+    while bonus not in stops and len(out.tokens) < max_new_tokens:
+        k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
+        drafts = torch.empty(0, dtype=torch.long, device=device)                        # (k,)
+        if k > 0:
+            block = torch.cat([torch.tensor([bonus], device=device), mask_ids])         # (W,)
+            drafts = propose(drafter, ctx, block, target)[:k]                           # (k,)
+
+        logits, features = target_forward(target, torch.cat([torch.tensor([bonus], device=device), drafts]),
+                                          start, cache, layer_ids)                      # (k+1, V)
+        target_tokens = logits.argmax(-1)                                               # (k+1,)
+        accepted = verify(drafts, target_tokens)
+        new_tokens = drafts[:accepted].tolist() + [int(target_tokens[accepted])]
+        crop_cache(cache, start + accepted + 1)   # drop K/V of rejected drafts
+        if drafter is not None:
+            append_context(drafter, ctx, project_context(drafter, features[:accepted + 1]))  # lags by one
+        start += accepted + 1
+        bonus = new_tokens[-1]
+
+        out.acceptance_lengths.append(accepted + 1)
+        out.rounds.append({"draft": drafts.tolist(), "accepted": accepted})
+        for i in range(k):
+            out.position_drafted[i] += 1
+            out.position_accepted[i] += i < accepted
+        for i, token in enumerate(new_tokens):   # trim at the first stop token written this round
+            if token in stops:
+                new_tokens, bonus = new_tokens[:i + 1], token
+                break
+        out.tokens += new_tokens
+        if on_tokens:
+            on_tokens(new_tokens)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Demo pair: a tiny random target and drafter, until real weights are embedded
+
+def write_demo_pair(directory: Path) -> tuple[Path, Path]:
+    """A tiny random Qwen3 target and a z-lab-format drafter for it. Both are random."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    target_dir, draft_dir = directory / "target", directory / "draft"
+    tcfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=1024, tie_word_embeddings=False)
+    Qwen3ForCausalLM(tcfg).save_pretrained(target_dir)
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+           "rope_theta": 1e6, "num_target_layers": 6, "layer_types": ["full_attention"] * 2,
+           "dflash_config": {"mask_token_id": 511, "target_layer_ids": default_layer_ids(6, 2)}}
+    cfg = load_draft_config(raw, 6, 128)
+    draft_dir.mkdir(parents=True, exist_ok=True)
+    (draft_dir / "config.json").write_text(json.dumps(raw, indent=2))
+    save_file({k: v.contiguous() for k, v in Drafter(cfg).state_dict().items()}, draft_dir / "model.safetensors")
+    return target_dir, draft_dir
+
+
+# -----------------------------------------------------------------------------
+# CLI
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="DFlash speculative decoding (greedy, lossless).")
+    p.add_argument("--target", help="target model: local dir or hub id (default: embedded demo pair)")
+    p.add_argument("--draft", help="DFlash drafter checkpoint: local dir or hub id")
+    p.add_argument("--prompt", default="Write a short poem about the sea.", help="prompt text")
+    p.add_argument("--prompt-ids", help="comma-separated token ids, instead of --prompt")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--num-drafts", type=int, help="drafts K per step (default block_size - 1)")
+    p.add_argument("--compute-width", choices=["block", "drafts"], default="block",
+                   help="drafter rows per step: the full block (z-lab) or K+1")
+    p.add_argument("--target-only", action="store_true", help="plain greedy decoding of the target")
+    p.add_argument("--dtype", choices=list(DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device", help="default cuda if available, else cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of text and stats")
+    return p.parse_args(argv)
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise DFlashError(f"--prompt-ids = {text!r} must be comma-separated integers") from None
+
+
+def stats_table(gen: Generation, seconds: float) -> str:
+    rows = [("tokens", f"{len(gen.tokens)}"), ("rounds", f"{len(gen.rounds)}"), ("tau", f"{gen.tau:.2f}"),
+            ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")]
+    if gen.position_drafted:
+        rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
+        rows.append(("accept@pos", " ".join(rates)))
+    return "\n".join(f"{name:>11}  {value}" for name, value in rows)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if (args.target is None) != (args.draft is None):
+        raise DFlashError("--target and --draft go together (or neither, for the demo)")
+    prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else None
+    if args.target is None:
+        import tempfile
+        target_path, draft_path = write_demo_pair(Path(tempfile.mkdtemp(prefix="dflash-demo-")))
+        prompt_ids = prompt_ids or [1, 2, 3, 4, 5, 6, 7, 8]
+        print("demo: a tiny RANDOM target and drafter built on the fly (no tokenizer); "
+              "acceptance is near chance, tau ~ 1.", file=sys.stderr)
+    else:
+        target_path, draft_path = args.target, args.draft
+
+    target = load_target(str(target_path), dtype, device)
+    drafter = None if args.target_only else load_drafter(str(draft_path), target, dtype, device)
+    tokenizer = load_tokenizer(str(target_path))
+    if prompt_ids is None:
+        if tokenizer is None:
+            raise DFlashError(f"target '{target_path}' has no tokenizer: pass --prompt-ids")
+        prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
+    stop_ids = stop_token_ids(target, tokenizer)
+
+    stream = None
+    if not args.json and tokenizer is not None:
+        seen = []
+        def stream(tokens):
+            text_before = tokenizer.decode(seen, skip_special_tokens=True)
+            seen.extend(tokens)
+            print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
+    elif not args.json:
+        stream = lambda tokens: print(" ".join(map(str, tokens)), end=" ", flush=True)
+
+    t0 = time.perf_counter()
+    gen = generate(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
+                   full_block=args.compute_width == "block", stop_ids=stop_ids, on_tokens=stream)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    text = tokenizer.decode(gen.tokens, skip_special_tokens=True) if tokenizer is not None else None
+    if args.json:
+        print(json.dumps({"tokens": gen.tokens, "text": text, "acceptance_lengths": gen.acceptance_lengths,
+                          "tau": gen.tau, "rounds": gen.rounds}))
+    else:
+        print("\n" + stats_table(gen, seconds))
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None
+    return tokenizer if len(tokenizer) > 1 else None   # a dir without tokenizer files loads an empty one
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat and tokenizer.chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def stop_token_ids(target, tokenizer) -> set[int]:
+    """EOS ids from the tokenizer and the target's generation_config (an int or a list)."""
+    ids = set()
+    for eos in (tokenizer.eos_token_id if tokenizer else None,
+                getattr(target.generation_config, "eos_token_id", None)):
+        ids |= set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return ids
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DFlashError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
