@@ -174,8 +174,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))   # at least fp32 inside the norm
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class DraftAttention(nn.Module):
@@ -292,7 +292,7 @@ def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) 
             raise DFlashError(f"draft weights: '{name}' has shape {tuple(tensor.shape)}, "
                               f"config implies {tuple(expected[name].shape)}")
     drafter.load_state_dict(tensors)
-    return drafter.to(device=device, dtype=dtype).eval()
+    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def resolve_dir(path: str) -> Path:
@@ -373,8 +373,9 @@ def cache_kwarg(target) -> str:
 def rope(x, positions, theta: float):
     """Rotate-half RoPE at absolute positions: x (N, heads, d), positions (N,)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (d/2,)
-    angles = positions.float()[:, None] * inv_freq[None]                 # (N, d/2)
+    # Angles in float64: exact enough at any position, and the same in every working dtype.
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)  # (d/2,)
+    angles = positions.double()[:, None] * inv_freq[None]                # (N, d/2)
     cos = torch.cat([angles, angles], -1).cos().to(x.dtype)[:, None]     # (N, 1, d)
     sin = torch.cat([angles, angles], -1).sin().to(x.dtype)[:, None]     # (N, 1, d)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -467,8 +468,9 @@ def propose(drafter: Drafter, ctx: DraftContext, block, target):
 
 
 def gate(attn: DraftAttention, u, o):
-    """Laguna's per-head output gate: o[t, h, :] *= softplus(g_proj(u)[t, h]), softplus in fp32."""
-    g = F.softplus(attn.g_proj(u).float()).to(o.dtype)                                  # (W, h)
+    """Laguna's per-head output gate: o[t, h, :] *= softplus(g_proj(u)[t, h]), softplus in ≥ fp32."""
+    logits = attn.g_proj(u)                                                             # (W, h)
+    g = F.softplus(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(o.dtype)
     return o * g[..., None]                                                             # (W, h, d)
 
 
@@ -520,7 +522,7 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     drafter=None decodes with the target alone through the same loop (K = 0).
     full_block computes all B drafter rows (z-lab); otherwise only K+1.
     on_tokens(list[int]) is called with each round's committed tokens, for streaming."""
-    K = 0 if drafter is None else (num_drafts or drafter.config.block_size - 1)
+    K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
     check_request(target, drafter, prompt_ids, max_new_tokens, K)
     device = target.get_input_embeddings().weight.device
     layer_ids = [] if drafter is None else drafter.config.target_layer_ids

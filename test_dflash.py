@@ -1,0 +1,641 @@
+"""Properties of dflash.py on tiny random checkpoints written in the released formats.
+
+Headline: greedy DFlash output is token-identical to the target's own greedy decode
+(HF `generate(do_sample=False)`), whatever the drafter, block size or K.
+Targets run in float64 with a peaked LM head so that no near-tie can make the oracle ambiguous.
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+from safetensors.torch import save_file
+
+import dflash
+from dflash import DFlashError
+
+HERE = Path(__file__).parent
+VOCAB, H, T_LAYERS, MAX_POS = 96, 32, 6, 256
+FAMILIES = ["qwen3", "llama", "laguna"]
+FORMATS = ["zlab", "zlab-new", "laguna"]
+settings.register_profile("default", deadline=None, max_examples=25,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("thorough", deadline=None, max_examples=300,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.load_profile("default")
+
+
+# -----------------------------------------------------------------------------
+# Tiny checkpoints
+
+def target_config(family: str):
+    from transformers import LagunaConfig, LlamaConfig, Qwen3Config
+    common = dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=64, num_hidden_layers=T_LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if family == "qwen3":
+        return Qwen3Config(**common)
+    if family == "llama":
+        return LlamaConfig(**common)
+    # Hybrid sliding/full attention with a short window, per-layer head counts, and MoE layers.
+    return LagunaConfig(**common, sliding_window=5,
+                        layer_types=["sliding_attention", "full_attention"] * (T_LAYERS // 2),
+                        num_attention_heads_per_layer=[4, 2] * (T_LAYERS // 2),
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32)
+
+
+def write_target(directory: Path, family: str) -> Path:
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(target_config(family))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(60.0)   # peaked logits: no near-ties for the oracle
+    model.save_pretrained(directory)
+    return directory
+
+
+def drafter_shapes(fmt: str, num_layers: int, n: int, hidden=H, heads=4, kv_heads=2, head_dim=8, inter=48):
+    """Tensor names and shapes of each released format (spec §6), written out independently of dflash.py."""
+    shapes = {"fc.weight": (hidden, n * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    for l in range(num_layers):
+        p = f"layers.{l}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if fmt == "laguna":
+            shapes[p + "self_attn.qkv_proj.weight"] = ((heads + 2 * kv_heads) * head_dim, hidden)
+            shapes[p + "self_attn.g_proj.weight"] = (heads, hidden)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (heads * head_dim, hidden)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_heads * head_dim, hidden)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_heads * head_dim, hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
+        shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+    if fmt == "laguna":
+        for i in range(n):
+            shapes[f"aux_hidden_norms.{i}.weight"] = (hidden,)
+    return shapes
+
+
+def drafter_config(fmt: str, block_size: int, layer_ids, num_layers=2, window=4, hidden=H) -> dict:
+    arch = dict(hidden_size=hidden, intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=VOCAB)
+    ids = list(layer_ids)
+    if fmt == "zlab":       # Qwen3-8B-DFlash-b16 layout
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "block_size": block_size,
+                "rope_theta": 1000000.0, "num_target_layers": T_LAYERS,
+                "layer_types": ["full_attention"] * num_layers,
+                "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": ids}}
+    if fmt == "zlab-new":   # Qwen3.5-era layout: block size inside dflash_config, rope_parameters, sliding
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+                "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2) +
+                               ["sliding_attention"] * (num_layers % 2),
+                "sliding_window": window,
+                "dflash_config": {"block_size": block_size, "mask_token_id": VOCAB - 1, "target_layer_ids": ids}}
+    return {"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna", **arch,   # Laguna-XS DFlash
+            "gating": "per-head", "layer_types": ["sliding_attention"] * num_layers, "sliding_window": window,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
+            "dflash_config": {"block_size": block_size, "mask_token_id": 12, "num_target_layers": T_LAYERS,
+                              "target_layer_ids": ids, "causal": True}}
+
+
+def write_drafter(directory: Path, fmt: str, block_size=4, layer_ids=(1, 3), num_layers=2, window=4,
+                  hidden=H, seed=0, sharded=False) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(
+        drafter_config(fmt, block_size, layer_ids, num_layers, window, hidden), indent=2))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in drafter_shapes(fmt, num_layers, len(layer_ids), hidden=hidden).items():
+        if len(shape) == 1:   # norms near 1, so that each one matters
+            tensors[name] = 1.0 + 0.2 * torch.randn(shape, generator=g)
+        else:
+            tensors[name] = torch.randn(shape, generator=g) / math.sqrt(shape[1])
+    if sharded:
+        names = sorted(tensors)
+        halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, part in halves.items():
+            save_file({k: tensors[k] for k in part}, directory / file)
+        (directory / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, part in halves.items() for k in part}}))
+    else:
+        save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {family: write_target(root / family, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def targets(checkpoints):
+    return {family: dflash.load_target(str(path), torch.float64, "cpu") for family, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def drafters(targets, tmp_path_factory):
+    """Loaded drafters by (family, format, block size), written to disk and read back."""
+    root, cache = tmp_path_factory.mktemp("drafters"), {}
+
+    def get(family, fmt, block_size):
+        if (family, fmt, block_size) not in cache:
+            path = write_drafter(root / f"{family}-{fmt}-{block_size}", fmt, block_size,
+                                 layer_ids=(1, 3, 4) if fmt == "laguna" else (1, 3), sharded=fmt == "zlab-new")
+            cache[family, fmt, block_size] = dflash.load_drafter(str(path), targets[family], torch.float64, "cpu")
+        return cache[family, fmt, block_size]
+    return get
+
+
+def hf_greedy(target, prompt, max_new_tokens):
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_same_tokens(got, want):
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert got == want, f"token streams differ at index {first}: {got[first:first + 5]} vs {want[first:first + 5]}"
+
+
+prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
+
+
+# -----------------------------------------------------------------------------
+# Config resolution and capture
+
+def test_default_layer_ids_follow_spec():
+    """Qwen3-8B (T=36, n=5) gives [1, 9, 17, 25, 33]; n=1 gives [T // 2]."""
+    assert dflash.default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert dflash.default_layer_ids(36, 1) == [18]
+    assert dflash.default_layer_ids(6, 2) == [1, 3]
+
+
+def test_missing_layer_ids_use_default_rule(targets, tmp_path):
+    """Without target_layer_ids the drafter captures the default layers for n = fc width / H."""
+    path = write_drafter(tmp_path / "d", "zlab", layer_ids=(1, 2, 3))
+    config = json.loads((path / "config.json").read_text())
+    del config["dflash_config"]["target_layer_ids"]
+    (path / "config.json").write_text(json.dumps(config))
+    drafter = dflash.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
+    assert drafter.config.target_layer_ids == dflash.default_layer_ids(T_LAYERS, 3) == [1, 2, 3]
+
+
+def test_laguna_config_resolves_causal_sliding_and_rope(targets, drafters):
+    """Laguna: picked from architectures, all layers causal sliding, θ from rope_parameters,
+    and target_layer_ids read as given (never the +1 eagle list)."""
+    cfg = drafters("laguna", "laguna", 4).config
+    assert cfg.laguna and cfg.target_layer_ids == [1, 3, 4]
+    assert all(cfg.is_causal(l) and cfg.window(l) == 4 for l in range(cfg.num_layers))
+    assert cfg.rope_thetas == [500000.0, 500000.0]
+    new = drafters("qwen3", "zlab-new", 4).config
+    assert new.block_size == 4 and not new.laguna
+    assert [new.is_causal(l) for l in range(2)] == [True, False] and new.window(1) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_is_layer_output_before_final_norm(targets, family):
+    """Captured features for layer i equal HF hidden_states[i + 1]; the last layer is captured un-normed."""
+    target = targets[family]
+    ids = torch.tensor([5, 17, 3, 42, 8])
+    layer_ids = list(range(T_LAYERS))
+    _, features = dflash.target_forward(target, ids, 0, dflash.new_target_cache(), layer_ids)
+    hidden = target(input_ids=ids[None], output_hidden_states=True).hidden_states
+    chunks = features.split(H, dim=-1)
+    for i in range(T_LAYERS - 1):
+        torch.testing.assert_close(chunks[i], hidden[i + 1][0], rtol=1e-12, atol=1e-12)
+    final_norm = target.get_decoder().norm
+    torch.testing.assert_close(final_norm(chunks[-1]), hidden[T_LAYERS][0], rtol=1e-12, atol=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# Losslessness
+
+@settings(max_examples=30)
+@given(family=st.sampled_from(FAMILIES), fmt=st.sampled_from(FORMATS), block_size=st.integers(2, 6),
+       k_fraction=st.floats(0, 1), prompt=prompts, max_new=st.integers(1, 20), full_block=st.booleans())
+def test_greedy_equals_target_greedy(targets, drafters, family, fmt, block_size, k_fraction, prompt, max_new,
+                                     full_block):
+    """Over random prompts, block sizes, K and drafters, DFlash equals HF greedy decode token for token."""
+    K = 1 + int(k_fraction * (block_size - 2))
+    gen = dflash.generate(targets[family], drafters(family, fmt, block_size), prompt, max_new,
+                          num_drafts=K, full_block=full_block)
+    assert_same_tokens(gen.tokens, hf_greedy(targets[family], prompt, max_new))
+    assert len(gen.tokens) == max_new
+
+
+def oracle_double(reference: list[int], prompt_len: int, wrong_at: set[int], vocab=VOCAB):
+    """A stand-in for `propose` that drafts the target's true continuation, made wrong at the
+    absolute positions in `wrong_at`. The context length tells it where the block starts."""
+    def propose(drafter, ctx, block, target):
+        start = ctx.length                                        # position of the bonus token
+        drafts = []
+        for pos in range(start + 1, start + len(block)):
+            true = reference[pos - prompt_len] if pos - prompt_len < len(reference) else 0
+            drafts.append((true + 1) % vocab if pos in wrong_at else true)
+        return torch.tensor(drafts)
+    return propose
+
+
+@settings(max_examples=30)
+@given(family=st.sampled_from(FAMILIES), block_size=st.integers(2, 7), prompt=prompts,
+       max_new=st.integers(1, 24), wrong_at=st.sets(st.integers(0, 40)), data=st.data())
+def test_partial_acceptance_is_lossless(targets, drafters, family, block_size, prompt, max_new, wrong_at, data):
+    """With drafts right up to chosen positions, output still equals the target's greedy decode and each
+    round accepts exactly the drafts before the first wrong one."""
+    K = data.draw(st.integers(1, block_size - 1))
+    reference = hf_greedy(targets[family], prompt, max_new + block_size)
+    wrong = {len(prompt) + w for w in wrong_at}
+    with mock.patch.object(dflash, "propose", oracle_double(reference, len(prompt), wrong)):
+        gen = dflash.generate(targets[family], drafters(family, "zlab", block_size), prompt, max_new, num_drafts=K)
+    assert_same_tokens(gen.tokens, reference[:max_new])
+    start = len(prompt)
+    for round_ in gen.rounds:
+        k = len(round_["draft"])
+        expected = next((i for i in range(k) if start + 1 + i in wrong), k)
+        assert round_["accepted"] == expected
+        start += expected + 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_target_only_equals_target_greedy(targets, family):
+    """drafter=None runs the target alone through the same loop and matches HF greedy."""
+    prompt = [3, 14, 15, 92, 65]
+    gen = dflash.generate(targets[family], None, prompt, 16)
+    assert_same_tokens(gen.tokens, hf_greedy(targets[family], prompt, 16))
+    assert gen.acceptance_lengths == [1] * 15
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fewer_compute_rows_agree_for_causal_drafters(targets, drafters, fmt):
+    """K+1 compute rows give the same drafts as the full block exactly when every layer is causal."""
+    drafter, target = drafters("qwen3", fmt, 6), targets["qwen3"]
+    ctx = dflash.new_draft_context(drafter, "cpu")
+    _, features = dflash.target_forward(target, torch.tensor([1, 2, 3, 4, 5, 6, 7]), 0,
+                                        dflash.new_target_cache(), drafter.config.target_layer_ids)
+    dflash.append_context(drafter, ctx, dflash.project_context(drafter, features))
+    full = torch.tensor([9] + [VOCAB - 1] * 5)
+    h_full = dflash.draft_block(drafter, ctx, target.get_input_embeddings()(full))
+    h_short = dflash.draft_block(drafter, ctx, target.get_input_embeddings()(full[:3]))
+    all_causal = all(drafter.config.is_causal(l) for l in range(drafter.config.num_layers))
+    assert torch.allclose(h_full[:3], h_short, atol=1e-10) == all_causal
+
+
+# -----------------------------------------------------------------------------
+# Acceptance mechanics
+
+@pytest.mark.parametrize("block_size,K", [(4, 3), (6, 2), (7, 6)])
+def test_perfect_drafter_accepts_every_draft(targets, drafters, block_size, K):
+    """A drafter that proposes the target's own next tokens gives τ_r = K+1 on every full round."""
+    prompt, max_new = [7, 1, 8, 2, 8], 30
+    reference = hf_greedy(targets["llama"], prompt, max_new + block_size)
+    with mock.patch.object(dflash, "propose", oracle_double(reference, len(prompt), set())):
+        gen = dflash.generate(targets["llama"], drafters("llama", "zlab", block_size), prompt, max_new, num_drafts=K)
+    assert_same_tokens(gen.tokens, reference[:max_new])
+    full_rounds = [r for r in gen.rounds if len(r["draft"]) == K]
+    assert full_rounds and all(r["accepted"] == K for r in full_rounds)
+    assert gen.acceptance_lengths[:len(full_rounds)] == [K + 1] * len(full_rounds)
+
+
+def test_wrong_drafter_accepts_nothing(targets, drafters):
+    """A drafter that is always wrong gives τ = 1: one target token per round."""
+    prompt, max_new = [7, 1, 8, 2, 8], 12
+    reference = hf_greedy(targets["qwen3"], prompt, max_new + 8)
+    wrong = set(range(len(prompt), len(prompt) + 40))
+    with mock.patch.object(dflash, "propose", oracle_double(reference, len(prompt), wrong)):
+        gen = dflash.generate(targets["qwen3"], drafters("qwen3", "zlab", 4), prompt, max_new)
+    assert_same_tokens(gen.tokens, reference[:max_new])
+    assert gen.tau == 1.0 and gen.acceptance_lengths == [1] * (max_new - 1)
+
+
+@settings(max_examples=15)
+@given(prompt=prompts, wrong_at=st.sets(st.integers(0, 40)))
+def test_position_counts_add_up(targets, drafters, prompt, wrong_at):
+    """Per-position acceptance counts sum to the accepted drafts, never rise with position, and
+    tokens = 1 (prefill) + Σ acceptance lengths."""
+    reference = hf_greedy(targets["qwen3"], prompt, 30)
+    wrong = {len(prompt) + w for w in wrong_at}
+    with mock.patch.object(dflash, "propose", oracle_double(reference, len(prompt), wrong)):
+        gen = dflash.generate(targets["qwen3"], drafters("qwen3", "zlab", 5), prompt, 24)
+    assert sum(gen.position_accepted) == sum(r["accepted"] for r in gen.rounds)
+    assert all(a >= b for a, b in zip(gen.position_accepted, gen.position_accepted[1:]))
+    assert all(a <= d for a, d in zip(gen.position_accepted, gen.position_drafted))
+    assert len(gen.tokens) == 1 + sum(gen.acceptance_lengths)
+    assert gen.tau == pytest.approx(sum(gen.acceptance_lengths) / len(gen.rounds))
+
+
+def test_stop_token_trims_inside_accepted_span(targets, drafters):
+    """Output ends at the first stop token even when it sits mid-way through an accepted block,
+    and a stop token from prefill ends generation at once."""
+    prompt = [7, 1, 8, 2, 8]
+    reference = hf_greedy(targets["qwen3"], prompt, 40)
+    stop = next(t for i, t in enumerate(reference) if i >= 3 and t not in reference[:i])
+    with mock.patch.object(dflash, "propose", oracle_double(reference, len(prompt), set())):
+        gen = dflash.generate(targets["qwen3"], drafters("qwen3", "zlab", 6), prompt, 40, stop_ids={stop})
+        first = dflash.generate(targets["qwen3"], drafters("qwen3", "zlab", 6), prompt, 40,
+                                stop_ids={reference[0]})
+    assert_same_tokens(gen.tokens, reference[:reference.index(stop) + 1])
+    assert first.tokens == [reference[0]] and first.rounds == []
+
+
+# -----------------------------------------------------------------------------
+# Laguna drafter pieces, each against a direct computation
+
+def laguna(drafters, block_size=4):
+    return drafters("qwen3", "laguna", block_size)
+
+
+def test_fused_qkv_split_rows(drafters):
+    """qkv_proj rows are [q (h·d); k (hk·d); v (hk·d)]."""
+    attn = laguna(drafters).layers[0].self_attn
+    x = torch.randn(3, H, dtype=torch.float64)
+    q, k, v = attn.qkv(x)
+    w = attn.qkv_proj.weight
+    torch.testing.assert_close(q.reshape(3, -1), x @ w[:32].T)
+    torch.testing.assert_close(k.reshape(3, -1), x @ w[32:48].T)
+    torch.testing.assert_close(v.reshape(3, -1), x @ w[48:64].T)
+
+
+def test_softplus_gate_per_head(drafters):
+    """o[t, h, :] *= softplus(g_proj(u)[t, h])."""
+    attn = laguna(drafters).layers[0].self_attn
+    u, o = torch.randn(3, H, dtype=torch.float64), torch.randn(3, 4, 8, dtype=torch.float64)
+    got = dflash.gate(attn, u, o)
+    for t in range(3):
+        for h in range(4):
+            g = math.log1p(math.exp(float(attn.g_proj.weight[h] @ u[t])))
+            torch.testing.assert_close(got[t, h], o[t, h] * g)
+
+
+def test_aux_norms_before_fc(drafters):
+    """Laguna projection: each captured layer through its own RMSNorm, then fc, then hidden_norm."""
+    drafter = laguna(drafters)
+    f = torch.randn(5, 3 * H, dtype=torch.float64)
+    parts = []
+    for i, chunk in enumerate(f.split(H, dim=-1)):
+        w = drafter.aux_hidden_norms[i].weight
+        parts.append(w * chunk / torch.sqrt(chunk.pow(2).mean(-1, keepdim=True) + 1e-6))
+    fc = torch.cat(parts, -1) @ drafter.fc.weight.T
+    want = drafter.hidden_norm.weight * fc / torch.sqrt(fc.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(dflash.project_context(drafter, f), want)
+
+
+def rotate(x, positions, theta):
+    """Rotate-half RoPE written pair by pair: (x_i, x_{i+d/2}) turns by pos·θ^(-2i/d)."""
+    d, out = x.shape[-1], x.clone()
+    for i in range(d // 2):
+        angle = positions.double() * theta ** (-2 * i / d)
+        c, s = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
+        out[..., i] = x[..., i] * c - x[..., i + d // 2] * s
+        out[..., i + d // 2] = x[..., i + d // 2] * c + x[..., i] * s
+    return out
+
+
+def naive_block(drafter, c, x):
+    """The drafter layers computed query by query from the spec's text, recomputing context K/V."""
+    cfg = drafter.config
+    S, W, hq, hk, d = len(c), len(x), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rms = lambda t, w: w * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    for l, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        if cfg.laguna:
+            wq, wk, wv = attn.qkv_proj.weight.split([hq * d, hk * d, hk * d])
+        else:
+            wq, wk, wv = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+        u = rms(x, layer.input_layernorm.weight)
+        cc = rms(c, layer.input_layernorm.weight) if cfg.laguna else c
+        theta = cfg.rope_thetas[l]
+        q = rotate(rms((u @ wq.T).view(W, hq, d), attn.q_norm.weight), torch.arange(S, S + W), theta)
+        k = rotate(rms((torch.cat([cc, u]) @ wk.T).view(S + W, hk, d), attn.k_norm.weight),
+                   torch.arange(S + W), theta)
+        v = (torch.cat([cc, u]) @ wv.T).view(S + W, hk, d)
+        o = torch.zeros(W, hq, d, dtype=x.dtype)
+        for t in range(W):
+            qp = S + t
+            keys = [j for j in range(S + W)
+                    if (not cfg.is_causal(l) or j <= qp)
+                    and (cfg.window(l) is None or abs(qp - j) < cfg.window(l))]
+            if cfg.window(l) is not None:
+                assert len(keys) <= cfg.window(l)
+            for h in range(hq):
+                kv = h // (hq // hk)
+                p = torch.softmax(torch.stack([q[t, h] @ k[j, kv] for j in keys]) / math.sqrt(d), 0)
+                o[t, h] = sum(pj * v[j, kv] for pj, j in zip(p, keys))
+                if cfg.laguna:
+                    o[t, h] *= F.softplus(attn.g_proj.weight[h] @ u[t])
+        x = x + o.reshape(W, -1) @ attn.o_proj.weight.T
+        x = x + layer.mlp(rms(x, layer.post_attention_layernorm.weight))
+    return rms(x, drafter.norm.weight)
+
+
+def block_output(drafter, c, x):
+    ctx = dflash.new_draft_context(drafter, "cpu")
+    dflash.append_context(drafter, ctx, c)
+    return dflash.draft_block(drafter, ctx, x)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("S", [1, 9])
+def test_block_attention_matches_direct_computation(drafters, fmt, S):
+    """Cached-context KV injection, masks (bidirectional, causal, windowed), GQA and the gate equal a
+    query-by-query computation, on both sides of the window (context + block ≤ W and > W)."""
+    drafter = drafters("qwen3", fmt, 4)
+    c, x = torch.randn(S, H, dtype=torch.float64), torch.randn(4, H, dtype=torch.float64)
+    torch.testing.assert_close(block_output(drafter, c, x), naive_block(drafter, c, x), rtol=1e-10, atol=1e-10)
+
+
+def test_window_matters_only_past_its_length(drafters):
+    """With window 4 the block sees the same keys as without one while context + block ≤ 4,
+    and different keys once it is longer."""
+    drafter = laguna(drafters, 3)
+    wide = dflash.Drafter(dflash.DraftConfig(**{**vars(drafter.config), "sliding_window": 10**6}))
+    wide.load_state_dict(drafter.state_dict())
+    wide = wide.double()
+    x = torch.randn(3, H, dtype=torch.float64)
+    short, long_ = torch.randn(1, H, dtype=torch.float64), torch.randn(6, H, dtype=torch.float64)
+    torch.testing.assert_close(block_output(drafter, short, x), block_output(wide, short, x))
+    assert not torch.allclose(block_output(drafter, long_, x), block_output(wide, long_, x))
+
+
+def test_folded_input_norm_equals_norm_then_project(drafters):
+    """Laguna context K/V: input-norm-then-project equals the folded form (norm weight folded into
+    the K/V rows, shared 1/rms applied in fp32) within fp32 tolerance."""
+    layer = laguna(drafters).layers[0]
+    layer32 = type(layer)(laguna(drafters).config)
+    layer32.load_state_dict(layer.state_dict())
+    layer32 = layer32.float()
+    c = torch.randn(7, H)
+    _, k_plain, v_plain = layer32.self_attn.qkv(layer32.input_layernorm(c))
+    _, wk, wv = layer32.self_attn.qkv_proj.weight.split([32, 16, 16])
+    inv_rms = torch.rsqrt(c.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    w = layer32.input_layernorm.weight
+    k_fold = (c * inv_rms) @ (wk * w[None]).T
+    v_fold = (c * inv_rms) @ (wv * w[None]).T
+    torch.testing.assert_close(k_fold, k_plain.reshape(7, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_fold, v_plain.reshape(7, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_laguna_format_has_58_tensors_for_5_layers(targets, tmp_path):
+    """The released Laguna layout (5 layers, 5 captured layers) has 58 tensors and loads as is."""
+    assert len(drafter_shapes("laguna", 5, 5)) == 58
+    path = write_drafter(tmp_path / "lag", "laguna", layer_ids=(0, 1, 2, 3, 5), num_layers=5)
+    drafter = dflash.load_drafter(str(path), targets["laguna"], torch.float64, "cpu")
+    assert len(drafter.state_dict()) == 58
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one-line errors that name the field and the value
+
+def edit_config(path: Path, edit):
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def drop_tensors(path: Path, prefix: str, add=None):
+    from safetensors.torch import load_file
+    tensors = {k: v for k, v in load_file(path / "model.safetensors").items() if prefix not in k}
+    save_file({**tensors, **(add or {})}, path / "model.safetensors")
+
+
+BAD_DRAFTERS = {
+    "config missing": ("zlab", lambda p: (p / "config.json").unlink(), r"config\.json not found"),
+    "config unreadable": ("zlab", lambda p: (p / "config.json").write_text("{not json"), r"unreadable"),
+    "weights missing": ("zlab", lambda p: (p / "model.safetensors").unlink(), r"model\.safetensors not found"),
+    "weights unreadable": ("zlab", lambda p: (p / "model.safetensors").write_bytes(b"\x00garbage"), r"unreadable"),
+    "fc width != n*H": ("zlab", lambda p: edit_config(p, lambda c: c["dflash_config"].update(
+        target_layer_ids=[1, 2, 3])), r"fc\.weight input width 64 != n·H = 3·32"),
+    "ids out of range": ("zlab", lambda p: edit_config(p, lambda c: c["dflash_config"].update(
+        target_layer_ids=[1, 6])), r"'target_layer_ids' = \[1, 6\] out of range"),
+    "ids unsorted": ("zlab", lambda p: edit_config(p, lambda c: c["dflash_config"].update(
+        target_layer_ids=[3, 1])), r"'target_layer_ids' = \[3, 1\] must be sorted and unique"),
+    "ids duplicated": ("zlab", lambda p: edit_config(p, lambda c: c["dflash_config"].update(
+        target_layer_ids=[2, 2])), r"'target_layer_ids' = \[2, 2\] must be sorted and unique"),
+    "mask id missing": ("zlab", lambda p: edit_config(p, lambda c: c["dflash_config"].pop("mask_token_id")),
+                        r"'mask_token_id' is missing"),
+    "mask id outside rows": ("zlab", lambda p: edit_config(p, lambda c: c["dflash_config"].update(
+        mask_token_id=VOCAB + 3)), rf"'mask_token_id' = {VOCAB + 3} is outside the target's {VOCAB}"),
+    "aux norms missing": ("laguna", lambda p: drop_tensors(p, "aux_hidden_norms"),
+                          r"missing, e\.g\. \['aux_hidden_norms\.0\.weight"),
+    "g_proj missing": ("laguna", lambda p: drop_tensors(p, "g_proj"),
+                       r"missing, e\.g\. \['layers\.0\.self_attn\.g_proj\.weight"),
+    "gating unsupported": ("laguna", lambda p: edit_config(p, lambda c: c.update(gating="per-element")),
+                           r"'gating' = 'per-element' is unsupported"),
+    "head counts differ": ("zlab", lambda p: edit_config(p, lambda c: c.update(
+        num_attention_heads_per_layer=[4, 2])), r"'num_attention_heads_per_layer' = \[4, 2\] differ"),
+    "unexpected tensor": ("zlab", lambda p: drop_tensors(p, "nothing", {"lm_head.weight": torch.zeros(2, 2)}),
+                          r"1 unexpected tensors, e\.g\. \['lm_head\.weight'\]"),
+    "wrong target depth": ("zlab", lambda p: edit_config(p, lambda c: c.update(num_target_layers=36)),
+                           r"'num_target_layers' = 36 but the target has 6"),
+    "rope missing": ("zlab", lambda p: edit_config(p, lambda c: c.pop("rope_theta")), r"'rope_theta' is missing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DRAFTERS))
+def test_bad_drafter_is_rejected_with_named_field(targets, tmp_path, case):
+    fmt, breakage, message = BAD_DRAFTERS[case]
+    path = write_drafter(tmp_path / "d", fmt, layer_ids=(1, 3))
+    breakage(path)
+    with pytest.raises(DFlashError, match=message) as err:
+        dflash.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_hidden_size_mismatch_is_rejected(targets, tmp_path):
+    path = write_drafter(tmp_path / "d", "zlab", hidden=48)
+    with pytest.raises(DFlashError, match=r"'hidden_size' = 48 but the target's is 32"):
+        dflash.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(prompt=[], num_drafts=2), r"prompt: empty"),
+    (dict(prompt=[1], num_drafts=0), r"num_drafts = 0 must be in 1\.\.3"),
+    (dict(prompt=[1], num_drafts=4), r"num_drafts = 4 must be in 1\.\.3"),
+    (dict(prompt=[1] * 10, num_drafts=2, max_new=MAX_POS), rf"10 \+ {MAX_POS} exceeds .* {MAX_POS}"),
+    (dict(prompt=[1], num_drafts=2, max_new=0), r"max_new_tokens = 0 must be at least 1"),
+])
+def test_bad_request_is_rejected(targets, drafters, kwargs, message):
+    with pytest.raises(DFlashError, match=message):
+        dflash.generate(targets["qwen3"], drafters("qwen3", "zlab", 4), kwargs["prompt"],
+                        kwargs.get("max_new", 8), num_drafts=kwargs["num_drafts"])
+
+
+# -----------------------------------------------------------------------------
+# CLI end to end
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(HERE / "dflash.py"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_json_matches_generate(checkpoints, targets, tmp_path):
+    """`--json` prints one JSON line whose tokens equal the target's greedy decode."""
+    draft = write_drafter(tmp_path / "d", "laguna", block_size=5, layer_ids=(1, 3, 4))
+    result = run_cli("--target", str(checkpoints["laguna"]), "--draft", str(draft), "--prompt-ids", "5,6,7,8",
+                     "--max-new-tokens", "12", "--dtype", "float64", "--device", "cpu", "--json")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert set(out) == {"tokens", "text", "acceptance_lengths", "tau", "rounds"}
+    assert_same_tokens(out["tokens"], hf_greedy(targets["laguna"], [5, 6, 7, 8], 12))
+    assert out["tau"] == pytest.approx(sum(out["acceptance_lengths"]) / len(out["rounds"]))
+    assert all(len(r["draft"]) <= 4 for r in out["rounds"])
+
+
+def test_cli_bad_input_is_one_line_exit_2(checkpoints, tmp_path):
+    draft = write_drafter(tmp_path / "d", "zlab")
+    result = run_cli("--target", str(checkpoints["qwen3"]), "--draft", str(draft), "--prompt-ids", "1,2",
+                     "--num-drafts", "9", "--device", "cpu")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: num_drafts = 9 must be in 1..3 (block_size 4)"
+    assert "Traceback" not in result.stderr
+    missing = run_cli("--target", str(tmp_path / "nowhere"), "--draft", str(draft), "--device", "cpu")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "nowhere" in missing.stderr
+
+
+def test_cli_help_documents_every_flag():
+    result = run_cli("--help")
+    for flag in ["--target", "--draft", "--prompt", "--prompt-ids", "--no-chat", "--max-new-tokens",
+                 "--num-drafts", "--compute-width", "--target-only", "--dtype", "--device", "--json"]:
+        assert flag in result.stdout
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_drafter_context_is_every_committed_token_but_the_bonus(targets, drafters, fmt):
+    """At each draft, the cached context equals a fresh projection of the target's features for all
+    committed tokens before the bonus: the context lags by one, with no gap and no duplicate."""
+    target, drafter, prompt = targets["qwen3"], drafters("qwen3", fmt, 4), [4, 8, 15, 16, 23]
+    committed, real_propose, checked = list(prompt), dflash.propose, []
+
+    def checking_propose(drafter_, ctx, block, target_):
+        sequence = prompt + gen_tokens[:ctx.length - len(prompt) + 1]
+        assert sequence[-1] == int(block[0])                      # the bonus is the last committed token
+        _, features = dflash.target_forward(target, torch.tensor(sequence[:-1]), 0, dflash.new_target_cache(),
+                                            drafter.config.target_layer_ids)
+        fresh = dflash.new_draft_context(drafter, "cpu")
+        dflash.append_context(drafter, fresh, dflash.project_context(drafter, features))
+        for got, want in zip(ctx.keys + ctx.values, fresh.keys + fresh.values):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        checked.append(ctx.length)
+        return real_propose(drafter_, ctx, block, target_)
+
+    gen_tokens = dflash.generate(target, drafter, prompt, 14).tokens
+    with mock.patch.object(dflash, "propose", checking_propose):
+        assert dflash.generate(target, drafter, prompt, 14).tokens == gen_tokens
+    assert checked[0] == len(prompt) and len(checked) > 3
