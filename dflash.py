@@ -642,7 +642,9 @@ def stats_table(gen: Generation, seconds: float) -> str:
     return "\n".join(f"{name:>11}  {value}" for name, value in rows)
 
 
-def main(argv=None):
+def main(argv=None, generate_fn=None):
+    """The CLI; `generate_fn` swaps in another implementation with generate's signature."""
+    generate_fn = generate_fn or generate
     args = parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -680,7 +682,7 @@ def main(argv=None):
         stream = lambda tokens: print(" ".join(map(str, tokens)), end=" ", flush=True)
 
     t0 = time.perf_counter()
-    gen = generate(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
+    gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
                    full_block=args.compute_width == "block", stop_ids=stop_ids, on_tokens=stream)
     if device.startswith("cuda"):
         torch.cuda.synchronize()

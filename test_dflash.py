@@ -6,6 +6,7 @@ Targets run in float64 with a peaked LM head so that no near-tie can make the or
 """
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import save_file
 
 import dflash
+import fastpath
 from dflash import DFlashError
 
 HERE = Path(__file__).parent
@@ -29,6 +31,7 @@ settings.register_profile("default", deadline=None, max_examples=25,
 settings.register_profile("thorough", deadline=None, max_examples=300,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile("default")
+torch.set_num_threads(1)   # tiny models: threads only add synchronisation overhead
 
 
 # -----------------------------------------------------------------------------
@@ -147,16 +150,23 @@ def targets(checkpoints):
 
 
 @pytest.fixture(scope="session")
-def drafters(targets, tmp_path_factory):
-    """Loaded drafters by (family, format, block size), written to disk and read back."""
+def targets32(checkpoints):
+    return {family: dflash.load_target(str(path), torch.float32, "cpu") for family, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def drafters(targets, targets32, tmp_path_factory):
+    """Loaded drafters by (family, format, block size[, dtype]), written to disk and read back."""
     root, cache = tmp_path_factory.mktemp("drafters"), {}
 
-    def get(family, fmt, block_size):
-        if (family, fmt, block_size) not in cache:
+    def get(family, fmt, block_size, dtype=torch.float64):
+        key = (family, fmt, block_size, dtype)
+        if key not in cache:
             path = write_drafter(root / f"{family}-{fmt}-{block_size}", fmt, block_size,
                                  layer_ids=(1, 3, 4) if fmt == "laguna" else (1, 3), sharded=fmt == "zlab-new")
-            cache[family, fmt, block_size] = dflash.load_drafter(str(path), targets[family], torch.float64, "cpu")
-        return cache[family, fmt, block_size]
+            target = (targets if dtype == torch.float64 else targets32)[family]
+            cache[key] = dflash.load_drafter(str(path), target, dtype, "cpu")
+        return cache[key]
     return get
 
 
@@ -577,9 +587,10 @@ def test_bad_request_is_rejected(targets, drafters, kwargs, message):
 # -----------------------------------------------------------------------------
 # CLI end to end
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, str(HERE / "dflash.py"), *args], capture_output=True, text=True,
-                          timeout=300)
+def run_cli(*args, script="dflash.py"):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
+                          timeout=300, env=env)
 
 
 def test_cli_json_matches_generate(checkpoints, targets, tmp_path):
@@ -639,3 +650,143 @@ def test_drafter_context_is_every_committed_token_but_the_bonus(targets, drafter
     with mock.patch.object(dflash, "propose", checking_propose):
         assert dflash.generate(target, drafter, prompt, 14).tokens == gen_tokens
     assert checked[0] == len(prompt) and len(checked) > 3
+
+
+# -----------------------------------------------------------------------------
+# fastpath.py: the same tokens, rounds and drafts as dflash.py
+
+def helped(real_propose, reference, prompt_len, start_of, seed):
+    """Wrap a real `propose`: the first r drafts of each block are overwritten with the truth (r drawn
+    per position from `seed`), so rounds accept partially and later drafts still come from the
+    drafter's own context. `start_of(state)` reads the bonus position from either file's state."""
+    import random
+
+    def propose(drafter, state, block, target):
+        drafts = real_propose(drafter, state, block, target).clone()
+        start = int(start_of(state))
+        r = random.Random(seed * 100003 + start).randint(0, len(drafts))
+        for i in range(r):
+            if start + 1 + i - prompt_len < len(reference):
+                drafts[i] = reference[start + 1 + i - prompt_len]
+        return drafts
+    return propose
+
+
+def run_both(target, drafter, prompt, max_new, seed, capacity=None, **kwargs):
+    reference = hf_greedy(target, prompt, max_new + 8)
+    with mock.patch.object(dflash, "propose", helped(dflash.propose, reference, len(prompt),
+                                                     lambda ctx: ctx.length, seed)):
+        ref = dflash.generate(target, drafter, prompt, max_new, **kwargs)
+    with mock.patch.object(fastpath, "propose", helped(fastpath.propose, reference, len(prompt),
+                                                       lambda buf: buf.start, seed)):
+        fast = fastpath.generate(target, drafter, prompt, max_new, capacity=capacity, **kwargs)
+    return ref, fast, reference
+
+
+def assert_same_generation(fast, ref):
+    assert_same_tokens(fast.tokens, ref.tokens)
+    assert fast.acceptance_lengths == ref.acceptance_lengths
+    assert fast.rounds == ref.rounds
+    assert fast.position_accepted == ref.position_accepted
+
+
+@settings(max_examples=30)
+@given(family=st.sampled_from(FAMILIES), fmt=st.sampled_from(FORMATS), block_size=st.integers(2, 6),
+       prompt=prompts, max_new=st.integers(1, 20), full_block=st.booleans(), seed=st.integers(0, 10**6),
+       dtype=st.sampled_from([torch.float64, torch.float32]), data=st.data())
+def test_fastpath_equals_reference(targets, targets32, drafters, family, fmt, block_size, prompt, max_new,
+                                   full_block, seed, dtype, data):
+    """Over checkpoints, prompts, block sizes, K and lengths, fastpath gives dflash.py's tokens,
+    acceptance lengths and per-round drafts, with rounds that accept partially."""
+    K = data.draw(st.integers(1, block_size - 1))
+    target = (targets if dtype == torch.float64 else targets32)[family]
+    ref, fast, reference = run_both(target, drafters(family, fmt, block_size, dtype), prompt, max_new, seed,
+                                    num_drafts=K, full_block=full_block)
+    assert_same_generation(fast, ref)
+    if dtype == torch.float64:
+        assert_same_tokens(fast.tokens, reference[:max_new])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fastpath_target_only_equals_target_greedy(targets, family):
+    prompt = [3, 14, 15, 92, 65]
+    gen = fastpath.generate(targets[family], None, prompt, 16)
+    assert_same_tokens(gen.tokens, hf_greedy(targets[family], prompt, 16))
+
+
+def test_fastpath_stops_like_reference(targets, drafters):
+    """Stop tokens trim the accepted span identically in both files."""
+    prompt = [7, 1, 8, 2, 8]
+    reference = hf_greedy(targets["qwen3"], prompt, 40)
+    stop = next(t for i, t in enumerate(reference) if i >= 3 and t not in reference[:i])
+    ref, fast, _ = run_both(targets["qwen3"], drafters("qwen3", "zlab", 6), prompt, 40, seed=3, stop_ids={stop})
+    assert_same_generation(fast, ref)
+    assert fast.tokens[-1] == stop
+
+
+def test_fastpath_fills_capacity_exactly_and_refuses_past_it(targets, drafters):
+    """A request that needs every buffer row ends with the right tokens; one row more is refused
+    before anything is written, and the next request is still right."""
+    target, drafter, prompt = targets["llama"], drafters("llama", "zlab-new", 5), [2, 7, 1, 8]
+    K, max_new = 4, 20
+    capacity = len(prompt) + max_new + K
+    ref, fast, reference = run_both(target, drafter, prompt, max_new, seed=5, capacity=capacity)
+    assert_same_generation(fast, ref)
+    assert_same_tokens(fast.tokens, reference[:max_new])
+    with pytest.raises(DFlashError, match=rf"4 \+ 21 \+ 4 exceeds the buffer capacity {capacity}"):
+        fastpath.generate(target, drafter, prompt, max_new + 1, capacity=capacity)
+    again = fastpath.generate(target, drafter, prompt, max_new, capacity=capacity)
+    assert_same_tokens(again.tokens, reference[:max_new])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_folded_context_kv_equals_reference(drafters, fmt):
+    """fastpath's stacked (and, for Laguna, norm-folded) context K/V equal dflash.append_context
+    within fp32 tolerance."""
+    drafter = drafters("qwen3", fmt, 4, torch.float32)
+    c = torch.randn(6, H)
+    ref = dflash.new_draft_context(drafter, "cpu")
+    dflash.append_context(drafter, ref, c)
+    dec = fastpath.Decoder(targets32_for(drafter), drafter, capacity=8, num_drafts=3, full_block=True)
+    fastpath.append_context(drafter, dec.folded, dec.buf, c, torch.arange(6))
+    torch.testing.assert_close(dec.buf.ctx_keys[:, :, :6], torch.stack(ref.keys), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dec.buf.ctx_values[:, :, :6], torch.stack(ref.values), rtol=1e-5, atol=1e-5)
+
+
+def targets32_for(drafter):
+    """A minimal stand-in target for Decoder construction: only embeddings and config are used."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(target_config("qwen3"))
+
+
+def test_fastpath_cli_json_equals_reference_cli(checkpoints, tmp_path):
+    """`python fastpath.py --json` prints the same line as `python dflash.py --json`."""
+    draft = write_drafter(tmp_path / "d", "zlab-new", block_size=5)
+    args = ["--target", str(checkpoints["qwen3"]), "--draft", str(draft), "--prompt-ids", "5,6,7,8",
+            "--max-new-tokens", "12", "--dtype", "float64", "--device", "cpu", "--json"]
+    fast = run_cli(*args, script="fastpath.py")
+    assert fast.returncode == 0, fast.stderr
+    assert json.loads(fast.stdout) == json.loads(run_cli(*args).stdout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
+    """On CUDA with the step compiled and graphed: in fp32 fastpath equals dflash.py on the same
+    device; in bf16 its DFlash output equals the target-only greedy decode through the same kernels."""
+    target = dflash.load_target(str(checkpoints[family]), dtype, "cuda")
+    fmt = "laguna" if family == "laguna" else "zlab-new"
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", fmt, block_size=6,
+                                                    layer_ids=(1, 3, 4) if fmt == "laguna" else (1, 3))),
+                                  target, dtype, "cuda")
+    for prompt in ([5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]):
+        fast = fastpath.generate(target, drafter, prompt, 40)
+        assert fastpath._decoders and next(iter(_ for _ in fastpath._decoders.values())).graph is not None
+        alone = fastpath.generate(target, None, prompt, 40)
+        assert_same_tokens(fast.tokens, alone.tokens)
+        if dtype == torch.float32:
+            ref = dflash.generate(target, drafter, prompt, 40)
+            assert_same_tokens(fast.tokens, ref.tokens)
+            assert fast.acceptance_lengths == ref.acceptance_lengths

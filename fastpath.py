@@ -1,0 +1,327 @@
+"""DFlash speculative decoding: the fast path.
+
+The same math as `dflash.py`, token for token, arranged for a GPU. What differs:
+  - static buffers: the target's KV cache, the drafter's context K/V (after k_norm and RoPE),
+    and the token/position counters are allocated once, sized by `capacity`;
+  - fixed shapes: every step drafts a full block and verifies K+1 tokens; acceptance is applied
+    by device-side counters (the next step simply overwrites rejected rows, which masks hide);
+  - folded weights: each drafter layer's context K/V projections are stacked into one matrix,
+    and for Laguna the input norm's weight is folded into it (one shared 1/rms, in fp32);
+  - compiled, graphed step: on CUDA the whole step (draft block, target verify with capture,
+    accept, context append) is compiled with torch.compile and captured as one CUDA graph;
+  - one host sync per step: reading the accepted tokens.
+On CPU the same code runs eagerly, without graphs, so the reference-equality tests run anywhere.
+
+    $ python fastpath.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
+
+Shape legend as in dflash.py, plus C the buffer capacity in positions.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import dflash
+from dflash import DFlashError, Drafter, Generation, project_context, rope
+
+
+# -----------------------------------------------------------------------------
+# Static state: every buffer of one generation, allocated once
+
+@dataclass
+class Buffers:
+    start: torch.Tensor          # ()          position of the bonus token = committed length - 1
+    max_accept: torch.Tensor     # ()          drafts that may be accepted this step (k ≤ K)
+    verify_ids: torch.Tensor     # (K+1,)      [bonus, d_1..d_K], the verify input
+    result: torch.Tensor         # (2K+2,)     [a, d_1..d_a, t_a, padding (K+1 in all), d_1..d_K]
+    target_cache: object         # HF Cache of T full-length static layers, (1, hk_t, C, d_t) each
+    ctx_keys: torch.Tensor | None    # (L, hk, C, d)  drafter context keys after k_norm and RoPE
+    ctx_values: torch.Tensor | None  # (L, hk, C, d)  drafter context values
+
+
+def new_target_cache(target, capacity: int):
+    """A static cache with every layer full-length, so that rolling back is only moving a counter;
+    sliding layers still get their window from the model's own mask."""
+    from transformers.cache_utils import Cache, StaticLayer
+    num_layers = target.config.get_text_config().num_hidden_layers
+    return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
+
+
+def set_cache_length(cache, length):
+    """Point every static layer's write position at `length` (a device scalar): no sync."""
+    for layer in cache.layers:
+        layer.cumulative_length.copy_(length)
+
+
+# -----------------------------------------------------------------------------
+# Drafter: context K/V folded into one matrix per layer
+
+@dataclass
+class FoldedContext:
+    weight: torch.Tensor         # (L·2·hk·d, H)  [k rows; v rows] per layer, Laguna norm folded in
+    laguna: bool                 # apply the shared 1/rms of c before the folded projection
+
+
+def fold_context_weights(drafter: Drafter) -> FoldedContext:
+    """Stack each layer's k/v projection rows; for Laguna scale columns by the input-norm weight
+    so that W·(w ⊙ c/rms(c)) = (W·diag(w))·(c/rms(c))."""
+    cfg, rows = drafter.config, []
+    kv = cfg.num_kv_heads * cfg.head_dim
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        if cfg.laguna:
+            w_kv = attn.qkv_proj.weight[cfg.num_heads * cfg.head_dim:]                 # (2·hk·d, H)
+            rows.append(w_kv * layer.input_layernorm.weight[None])
+        else:
+            rows.append(torch.cat([attn.k_proj.weight, attn.v_proj.weight]))          # (2·hk·d, H)
+    assert all(r.shape[0] == 2 * kv for r in rows)
+    return FoldedContext(torch.cat(rows), cfg.laguna)
+
+
+def append_context(drafter: Drafter, folded: FoldedContext, buf: Buffers, c, positions):
+    """KV injection into the static buffers: context rows c (N, H) at `positions` (N,) for all
+    layers with one matmul. Rows past the accepted ones are written too; masks hide them and the
+    next step overwrites them."""
+    cfg = drafter.config
+    L, hk, d, N = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(c)
+    if folded.laguna:
+        cf = c.to(torch.promote_types(c.dtype, torch.float32))
+        c = (cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(c.dtype)
+    kv = (c @ folded.weight.T).view(N, L, 2, hk, d)                                    # (N, L, 2, hk, d)
+    for l, layer in enumerate(drafter.layers):
+        k = rope(layer.self_attn.k_norm(kv[:, l, 0]), positions, cfg.rope_thetas[l])   # (N, hk, d)
+        buf.ctx_keys[l].index_copy_(1, positions, k.transpose(0, 1))
+        buf.ctx_values[l].index_copy_(1, positions, kv[:, l, 1].transpose(0, 1))
+
+
+def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
+    """dflash.attention_mask, always as a tensor (fixed shapes need one even for no masking)."""
+    mask = dflash.attention_mask(q_pos, k_pos, causal, window)
+    return torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device) if mask is None else mask
+
+
+def draft_block(drafter: Drafter, buf: Buffers, block_embeds):
+    """dflash.draft_block over the static context: keys are all C buffer rows plus the block, and
+    context rows at positions ≥ start (not yet committed) are masked out."""
+    cfg, W, C = drafter.config, len(block_embeds), buf.ctx_keys.shape[2]
+    device = block_embeds.device
+    positions = buf.start + torch.arange(W, device=device)                             # (W,)
+    key_positions = torch.cat([torch.arange(C, device=device), positions])             # (C+W,)
+    committed = torch.cat([torch.arange(C, device=device) < buf.start,
+                           torch.ones(W, dtype=torch.bool, device=device)])             # (C+W,)
+    x = block_embeds                                                                    # (W, H)
+    for l, layer in enumerate(drafter.layers):
+        attn, theta = layer.self_attn, cfg.rope_thetas[l]
+        u = layer.input_layernorm(x)                                                    # (W, H)
+        q, k, v = attn.qkv(u)                                                           # (W, h|hk, d)
+        q = rope(attn.q_norm(q), positions, theta).transpose(0, 1)                      # (h, W, d)
+        k = rope(attn.k_norm(k), positions, theta).transpose(0, 1)                      # (hk, W, d)
+        keys = torch.cat([buf.ctx_keys[l], k], dim=1)                                   # (hk, C+W, d)
+        values = torch.cat([buf.ctx_values[l], v.transpose(0, 1)], dim=1)               # (hk, C+W, d)
+        mask = attention_mask(positions, key_positions, cfg.is_causal(l), cfg.window(l)) & committed
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (h, W, d)
+        o = o.transpose(0, 1)                                                           # (W, h, d)
+        if cfg.laguna:
+            o = dflash.gate(attn, u, o)
+        x = x + attn.o_proj(o.reshape(W, -1))                                           # (W, H)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)                                                              # (W, H)
+
+
+def propose(drafter: Drafter, buf: Buffers, block, target):
+    """Greedy drafts for block ids (W,): rows 1..W-1 through the target's LM head."""
+    hidden = draft_block(drafter, buf, target.get_input_embeddings()(block))           # (W, H)
+    return target.get_output_embeddings()(hidden[1:]).argmax(-1)                       # (W-1,)
+
+
+# -----------------------------------------------------------------------------
+# Target verify with capture, acceptance on the device
+
+def target_forward(target, ids, positions, cache, layer_ids: list[int]):
+    """dflash.target_forward at explicit device positions (N,), writing into the static cache."""
+    captured = {}
+    layers = dflash.decoder_layers(target)
+    hooks = [layers[i].register_forward_hook(
+                 lambda mod, args, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+             for i in layer_ids]
+    try:
+        out = target(input_ids=ids[None], position_ids=positions[None], use_cache=True,
+                     **{dflash.cache_kwarg(target): cache})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    features = torch.cat([captured[i][0] for i in layer_ids], dim=-1) if layer_ids else None  # (N, n·H)
+    return out.logits[0], features                                                           # (N, V)
+
+
+def verify(drafts, target_tokens, max_accept):
+    """dflash.verify on the device: leading matches, capped at the drafts allowed this step."""
+    matches = (drafts == target_tokens[:-1]).long()                                    # (K,)
+    return torch.minimum(matches.cumprod(0).sum(), max_accept)   # cumprod zeroes after the first miss
+
+
+# -----------------------------------------------------------------------------
+# One step, fixed shapes: draft, verify, accept, append. Compiled and graphed on CUDA.
+
+class Decoder:
+    """Owns the static buffers and the step for one target/drafter pair and capacity."""
+
+    def __init__(self, target, drafter: Drafter | None, capacity: int, num_drafts: int, full_block: bool):
+        self.target, self.drafter, self.capacity, self.K = target, drafter, capacity, num_drafts
+        self.device = target.get_input_embeddings().weight.device
+        self.layer_ids = [] if drafter is None else drafter.config.target_layer_ids
+        dev, K = self.device, num_drafts
+        ctx_shape = None
+        if drafter is not None:
+            cfg, dtype = drafter.config, next(drafter.parameters()).dtype
+            ctx_shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
+            self.folded = fold_context_weights(drafter)
+            width = cfg.block_size if full_block else K + 1
+            self.mask_ids = torch.full((width - 1,), cfg.mask_token_id, device=dev)    # (W-1,)
+        self.buf = Buffers(
+            start=torch.zeros((), dtype=torch.long, device=dev),
+            max_accept=torch.zeros((), dtype=torch.long, device=dev),
+            verify_ids=torch.zeros(K + 1, dtype=torch.long, device=dev),
+            result=torch.zeros(2 * K + 2, dtype=torch.long, device=dev),
+            target_cache=new_target_cache(target, capacity),
+            ctx_keys=None if ctx_shape is None else torch.zeros(ctx_shape, dtype=dtype, device=dev),
+            ctx_values=None if ctx_shape is None else torch.zeros(ctx_shape, dtype=dtype, device=dev))
+        self.graph = None          # the captured step, on CUDA
+        self.compiled_step = torch.compile(self.step, fullgraph=True) if dev.type == "cuda" else self.step
+
+    def prefill(self, prompt_ids: list[int]) -> int:
+        """Eager, variable length: fill the target cache and the drafter context for the prompt."""
+        buf, P = self.buf, len(prompt_ids)
+        positions = torch.arange(P, device=self.device)                                 # (P,)
+        set_cache_length(buf.target_cache, torch.zeros((), dtype=torch.long, device=self.device))
+        logits, features = target_forward(self.target, torch.tensor(prompt_ids, device=self.device), positions,
+                                          buf.target_cache, self.layer_ids)
+        bonus = logits[-1].argmax()
+        if self.drafter is not None:
+            append_context(self.drafter, self.folded, buf, project_context(self.drafter, features), positions)
+        buf.start.fill_(P)
+        buf.verify_ids[0] = bonus
+        return int(bonus)
+
+    def step(self):
+        """Draft K tokens, verify K+1 with capture, accept on the device, append context, advance."""
+        buf, K = self.buf, self.K
+        positions = buf.start + torch.arange(K + 1, device=self.device)                 # (K+1,)
+        if self.drafter is not None:
+            block = torch.cat([buf.verify_ids[:1], self.mask_ids])                      # (W,)
+            buf.verify_ids[1:] = propose(self.drafter, buf, block, self.target)[:K]     # (K,)
+        set_cache_length(buf.target_cache, buf.start)
+        logits, features = target_forward(self.target, buf.verify_ids, positions, buf.target_cache,
+                                          self.layer_ids)                               # (K+1, V)
+        target_tokens = logits.argmax(-1)                                               # (K+1,)
+        accepted = verify(buf.verify_ids[1:], target_tokens, buf.max_accept)            # ()
+        if self.drafter is not None:   # all K+1 rows; rows past `accepted` are masked, then overwritten
+            append_context(self.drafter, self.folded, buf, project_context(self.drafter, features), positions)
+        bonus = target_tokens[accepted]
+        drafts = buf.verify_ids[1:]                                                     # (K,)
+        emitted = torch.where(torch.arange(K + 1, device=self.device) < accepted,
+                              torch.cat([drafts, bonus[None]]), bonus)                  # (K+1,) d_1..d_a, t_a, ...
+        buf.result.copy_(torch.cat([accepted[None], emitted, drafts]))
+        buf.verify_ids[0] = bonus
+        buf.start.add_(accepted + 1)
+
+    def run_step(self):
+        """One step; on CUDA, replay the captured graph (captured on first use)."""
+        if self.device.type != "cuda":
+            return self.step()
+        if self.graph is None:
+            self.capture()
+        self.graph.replay()
+
+    def capture(self):
+        """Compile, warm up on a side stream, then capture the step as one CUDA graph. The warm-up
+        steps run on a throwaway state, which is restored afterwards."""
+        saved = [t.clone() for t in self.state_tensors()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self.compiled_step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.compiled_step()
+        for t, s in zip(self.state_tensors(), saved):
+            t.copy_(s)
+
+    def state_tensors(self):
+        buf = self.buf
+        tensors = [buf.start, buf.max_accept, buf.verify_ids, buf.result]
+        tensors += [t for layer in buf.target_cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+        if buf.ctx_keys is not None:
+            tensors += [buf.ctx_keys, buf.ctx_values]
+        return tensors
+
+
+# -----------------------------------------------------------------------------
+# Generation: the loop of dflash.generate, one host read per step
+
+_decoders: dict = {}
+
+
+def decoder_for(target, drafter, capacity: int, K: int, full_block: bool) -> Decoder:
+    """Reuse the buffers and captured graph of an earlier call with the same shapes."""
+    key = (target, drafter, capacity, K, full_block)
+    if key not in _decoders:
+        _decoders.clear()   # one live set of buffers at a time
+        _decoders[key] = Decoder(target, drafter, capacity, K, full_block)
+    return _decoders[key]
+
+
+@torch.inference_mode()
+def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num_drafts: int | None = None,
+             full_block: bool = True, stop_ids=(), on_tokens=None, capacity: int | None = None) -> Generation:
+    """dflash.generate with static buffers. `capacity` (positions) defaults to what this request
+    needs; a request past a given capacity is refused before anything is written."""
+    K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
+    dflash.check_request(target, drafter, prompt_ids, max_new_tokens, K)
+    needed = len(prompt_ids) + max_new_tokens + K   # the last step verifies K+1 rows from P+max_new-2
+    capacity = capacity or -(-needed // 256) * 256   # round up, so that similar requests share buffers
+    if needed > capacity:
+        raise DFlashError(f"prompt + max_new_tokens + K = {len(prompt_ids)} + {max_new_tokens} + {K} exceeds "
+                          f"the buffer capacity {capacity}")
+    dec = decoder_for(target, drafter, capacity, K, full_block)
+    stops = set(stop_ids)
+
+    bonus = dec.prefill(prompt_ids)
+    out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
+    if on_tokens:
+        on_tokens([bonus])
+    while bonus not in stops and len(out.tokens) < max_new_tokens:
+        k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
+        dec.buf.max_accept.fill_(k)
+        dec.run_step()
+        result = dec.buf.result.tolist()                   # the one host sync of the step
+        accepted = result[0]
+        new_tokens, drafts = result[1:accepted + 2], result[K + 2:K + 2 + k]
+
+        out.acceptance_lengths.append(accepted + 1)
+        out.rounds.append({"draft": drafts, "accepted": accepted})
+        for i in range(k):
+            out.position_drafted[i] += 1
+            out.position_accepted[i] += i < accepted
+        for i, token in enumerate(new_tokens):   # trim at the first stop token written this round
+            if token in stops:
+                new_tokens = new_tokens[:i + 1]
+                break
+        bonus = new_tokens[-1]
+        out.tokens += new_tokens
+        if on_tokens:
+            on_tokens(new_tokens)
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        dflash.main(generate_fn=generate)
+    except DFlashError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
