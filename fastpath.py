@@ -140,21 +140,34 @@ def propose(drafter: Drafter, buf: Buffers, block, target):
 # -----------------------------------------------------------------------------
 # Target verify with capture, acceptance on the device
 
-def target_forward(target, ids, positions, cache, layer_ids: list[int]):
-    """dflash.target_forward at explicit device positions (N,), writing into the static cache."""
-    captured = {}
-    layers = dflash.decoder_layers(target)
-    hooks = [layers[i].register_forward_hook(
-                 lambda mod, args, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-             for i in layer_ids]
-    try:
-        out = target(input_ids=ids[None], position_ids=positions[None], use_cache=True,
-                     **{dflash.cache_kwarg(target): cache})
-    finally:
-        for hook in hooks:
+class Capture:
+    """Forward hooks on the captured target layers, registered once (not inside a compiled step):
+    each forward leaves the residual stream leaving layer i in `outputs[i]`."""
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.layer_ids, self.outputs = layer_ids, {}
+        layers = dflash.decoder_layers(target)
+        self.hooks = [layers[i].register_forward_hook(self.hook(i)) for i in layer_ids]
+
+    def hook(self, i):
+        def store(module, args, out):
+            self.outputs[i] = out[0] if isinstance(out, tuple) else out
+        return store
+
+    def features(self):
+        """(N, n·H): the captured layers side by side, in ascending id order."""
+        return torch.cat([self.outputs[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+
+    def remove(self):
+        for hook in self.hooks:
             hook.remove()
-    features = torch.cat([captured[i][0] for i in layer_ids], dim=-1) if layer_ids else None  # (N, n·H)
-    return out.logits[0], features                                                           # (N, V)
+
+
+def target_forward(target, ids, positions, cache, capture: Capture):
+    """dflash.target_forward at explicit device positions (N,), writing into the static cache."""
+    out = target(input_ids=ids[None], position_ids=positions[None], use_cache=True,
+                 **{dflash.cache_kwarg(target): cache})
+    return out.logits[0], capture.features()                                          # (N, V), (N, n·H)
 
 
 def verify(drafts, target_tokens, max_accept):
@@ -172,7 +185,7 @@ class Decoder:
     def __init__(self, target, drafter: Drafter | None, capacity: int, num_drafts: int, full_block: bool):
         self.target, self.drafter, self.capacity, self.K = target, drafter, capacity, num_drafts
         self.device = target.get_input_embeddings().weight.device
-        self.layer_ids = [] if drafter is None else drafter.config.target_layer_ids
+        self.capture_hooks = Capture(target, [] if drafter is None else drafter.config.target_layer_ids)
         dev, K = self.device, num_drafts
         ctx_shape = None
         if drafter is not None:
@@ -198,7 +211,7 @@ class Decoder:
         positions = torch.arange(P, device=self.device)                                 # (P,)
         set_cache_length(buf.target_cache, torch.zeros((), dtype=torch.long, device=self.device))
         logits, features = target_forward(self.target, torch.tensor(prompt_ids, device=self.device), positions,
-                                          buf.target_cache, self.layer_ids)
+                                          buf.target_cache, self.capture_hooks)
         bonus = logits[-1].argmax()
         if self.drafter is not None:
             append_context(self.drafter, self.folded, buf, project_context(self.drafter, features), positions)
@@ -208,14 +221,21 @@ class Decoder:
 
     def step(self):
         """Draft K tokens, verify K+1 with capture, accept on the device, append context, advance."""
+        if self.drafter is not None:
+            self.draft()
+        self.verify()
+
+    def draft(self):
+        buf = self.buf
+        block = torch.cat([buf.verify_ids[:1], self.mask_ids])                          # (W,)
+        buf.verify_ids[1:] = propose(self.drafter, buf, block, self.target)[:self.K]    # (K,)
+
+    def verify(self):
         buf, K = self.buf, self.K
         positions = buf.start + torch.arange(K + 1, device=self.device)                 # (K+1,)
-        if self.drafter is not None:
-            block = torch.cat([buf.verify_ids[:1], self.mask_ids])                      # (W,)
-            buf.verify_ids[1:] = propose(self.drafter, buf, block, self.target)[:K]     # (K,)
         set_cache_length(buf.target_cache, buf.start)
         logits, features = target_forward(self.target, buf.verify_ids, positions, buf.target_cache,
-                                          self.layer_ids)                               # (K+1, V)
+                                          self.capture_hooks)                           # (K+1, V)
         target_tokens = logits.argmax(-1)                                               # (K+1,)
         accepted = verify(buf.verify_ids[1:], target_tokens, buf.max_accept)            # ()
         if self.drafter is not None:   # all K+1 rows; rows past `accepted` are masked, then overwritten
@@ -271,7 +291,9 @@ def decoder_for(target, drafter, capacity: int, K: int, full_block: bool) -> Dec
     """Reuse the buffers and captured graph of an earlier call with the same shapes."""
     key = (target, drafter, capacity, K, full_block)
     if key not in _decoders:
-        _decoders.clear()   # one live set of buffers at a time
+        for old in _decoders.values():   # one live set of buffers and hooks at a time
+            old.capture_hooks.remove()
+        _decoders.clear()
         _decoders[key] = Decoder(target, drafter, capacity, K, full_block)
     return _decoders[key]
 

@@ -1,0 +1,229 @@
+"""GPU benchmark: DFlash step time against the bandwidth floor, batch 1, bf16.
+
+Builds a target and a DFlash drafter with the shapes of a real pair and random weights (timing
+only: with random weights the drafter is never right, so the measured τ is 1 and throughput is
+also projected at τ = 6.5), then times, after warm-up, with CUDA events / synchronised clocks:
+
+  hf-eager          HF generate, greedy, dynamic cache
+  hf-static-compile HF generate, static cache, torch.compile(mode="reduce-overhead")
+  dflash-ref        one dflash.py step (draft + verify)
+  fast-ar           fastpath target-only greedy step (one token)
+  fast-dflash       one fastpath DFlash step (graph replay), and its draft and verify parts
+
+Each row: median ms per step (≥ 20 steps), tokens/s at the measured τ and at τ = 6.5, and the floor
+= bytes that must be read per step / device copy bandwidth measured in this run.
+
+    $ python bench.py --shape qwen3-8b --out bench-qwen3-8b.json
+    $ python bench.py --shape smollm2-135m
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import traceback
+
+import torch
+
+import dflash
+import fastpath
+
+SHAPES = {   # target config and DFlash drafter shape
+    "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     draft_layers=5, block_size=16, layer_ids=[1, 9, 17, 25, 33]),
+    "smollm2-135m": dict(family="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         draft_layers=3, block_size=16, layer_ids=dflash.default_layer_ids(30, 3)),
+}
+PROJECTED_TAU = 6.5   # the paper's Qwen3-8B GSM8K acceptance length
+
+
+def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    cfg_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if shape["family"] == "qwen3" else \
+                         (LlamaConfig, LlamaForCausalLM)
+    keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size"]
+    tcfg = cfg_cls(**{k: shape[k] for k in keys}, max_position_embeddings=4096, tie_word_embeddings=False,
+                   rope_theta=1e6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        target = model_cls(tcfg).to(dtype).eval()
+    dcfg = dflash.DraftConfig(
+        hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+        num_layers=shape["draft_layers"], num_heads=shape["num_attention_heads"],
+        num_kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"], rms_norm_eps=1e-6,
+        rope_thetas=[1e6] * shape["draft_layers"], block_size=shape["block_size"],
+        mask_token_id=shape["vocab_size"] - 1, target_layer_ids=shape["layer_ids"],
+        layer_types=["full_attention"] * shape["draft_layers"], sliding_window=None, causal=None, laguna=False)
+    with torch.device(device):
+        drafter = dflash.Drafter(dcfg).to(dtype).eval().requires_grad_(False)
+    return target, drafter
+
+
+def copy_bandwidth(nbytes=2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of 20."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def param_bytes(module, skip=()) -> int:
+    return sum(p.numel() * p.element_size() for name, p in module.named_parameters()
+               if not any(s in name for s in skip))
+
+
+def kv_bytes(target, positions: int, dtype_bytes=2) -> int:
+    c = target.config
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * positions * dtype_bytes
+
+
+def round_times(generate_fn, target, drafter, prompt, max_new_tokens) -> tuple[list[float], dflash.Generation]:
+    """Wall time of each decode round: the callback fires after the round's tokens reached the host
+    (every implementation reads them, which synchronises), so successive stamps bracket one step."""
+    stamps = []
+    gen = generate_fn(target, drafter, prompt, max_new_tokens, on_tokens=lambda toks: stamps.append(
+        time.perf_counter()))
+    return [b - a for a, b in zip(stamps, stamps[1:])], gen
+
+
+def graph_time(fn, iters=50) -> float:
+    """Median ms of `fn` captured as a CUDA graph and replayed, with events around each replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for i in range(iters + 5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def hf_generate_rate(target, prompt, max_new_tokens, **kwargs) -> float:
+    """ms per token of HF generate (decode part: total minus a 1-token run for the prefill)."""
+    ids = torch.tensor([prompt], device="cuda")
+
+    def run(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(8)   # warm-up (and compilation, for compiled variants)
+    return (statistics.median(run(max_new_tokens) for _ in range(3)) - run(1)) / (max_new_tokens - 1) * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--skip", default="", help="comma-separated rows to skip")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    skip = set(args.skip.split(","))
+    shape = SHAPES[args.shape]
+    target, drafter = build_pair(shape)
+    K = shape["block_size"] - 1
+    prompt = torch.randint(0, shape["vocab_size"] - 1, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    context = args.prompt_len + args.new_tokens // 2
+
+    bandwidth = copy_bandwidth()
+    lm_head = param_bytes(target.get_output_embeddings())
+    ar_bytes = param_bytes(target, skip=("embed_tokens",)) + kv_bytes(target, context)
+    step_bytes = ar_bytes + param_bytes(drafter) + lm_head   # the LM head is read again for draft logits
+    floor_ar, floor_step = ar_bytes / bandwidth * 1e3, step_bytes / bandwidth * 1e3
+    rows, errors = [], {}
+
+    def add(name, ms, tau, floor, speculative=False, note=""):
+        tokens_at_6_5 = PROJECTED_TAU if speculative else 1.0   # an AR step commits one token whatever τ is
+        rows.append(dict(row=name, ms_per_step=ms, tau=tau, tok_s=tau / ms * 1e3 if ms else None,
+                         tok_s_at_6_5=tokens_at_6_5 / ms * 1e3 if ms else None,
+                         floor_ms=floor, ratio=ms / floor if ms else None, note=note))
+
+    if "hf-eager" not in skip:
+        add("hf-eager", hf_generate_rate(target, prompt, args.new_tokens), 1.0, floor_ar)
+    if "hf-static-compile" not in skip:
+        eager_forward = target.forward
+        try:
+            target.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
+            add("hf-static-compile", hf_generate_rate(target, prompt, args.new_tokens, cache_implementation="static"),
+                1.0, floor_ar)
+        except Exception as err:   # report, keep going: this row is known to fail on some releases
+            errors["hf-static-compile"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            traceback.print_exc()
+            add("hf-static-compile", None, 1.0, floor_ar, note="failed: " + errors["hf-static-compile"])
+        finally:
+            target.forward = eager_forward
+            torch._dynamo.reset()
+    if "dflash-ref" not in skip:
+        times, gen = round_times(dflash.generate, target, drafter, prompt, 48)
+        add("dflash-ref step", statistics.median(times[4:]) * 1e3, gen.tau, floor_step, speculative=True)
+
+    compile_s = {}
+    capacity = -(-(args.prompt_len + args.new_tokens + K) // 256) * 256
+    fast = lambda *a, **kw: fastpath.generate(*a, capacity=capacity, **kw)
+    for name, d in (("fast-ar", None), ("fast-dflash", drafter)):
+        t0 = time.perf_counter()
+        fast(target, d, prompt, 8)   # builds the buffers, compiles and captures the step
+        torch.cuda.synchronize()
+        compile_s[name] = time.perf_counter() - t0
+        times, gen = round_times(fast, target, d, prompt, args.new_tokens)
+        add(name + (" step" if d is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
+            floor_step if d is not None else floor_ar, speculative=d is not None)
+    dec = next(iter(fastpath._decoders.values()))
+    dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
+    draft_bytes = param_bytes(drafter) + lm_head
+    add("  fast draft part", graph_time(torch.compile(dec.draft, fullgraph=True)), 1.0,
+        draft_bytes / bandwidth * 1e3)
+    dec.buf.start.fill_(context)
+    add("  fast verify part", graph_time(torch.compile(dec.verify, fullgraph=True)), 1.0,
+        ar_bytes / bandwidth * 1e3)
+
+    conditions = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                      transformers=__import__("transformers").__version__, python=platform.python_version(),
+                      shape=args.shape, dtype="bfloat16", batch=1, prompt_len=args.prompt_len,
+                      new_tokens=args.new_tokens, K=K, weights="random (timing only; τ measured = 1)",
+                      copy_bandwidth_TBps=bandwidth / 1e12, bytes_ar=ar_bytes, bytes_dflash_step=step_bytes,
+                      compile_and_capture_s=compile_s)
+    print(f"\n{args.shape}: {conditions['gpu']}, bf16, batch 1, prompt {args.prompt_len}, {args.new_tokens} new, "
+          f"K={K}, random weights; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
+          f"{floor_step:.3f} ms/DFlash step")
+    print(f"{'row':<22}{'ms/step':>9}{'tau':>6}{'tok/s':>9}{'tok/s@6.5':>11}{'floor ms':>10}{'x floor':>9}")
+    for r in rows:
+        fmt = lambda v, f: format(v, f) if v is not None else "-"
+        print(f"{r['row']:<22}{fmt(r['ms_per_step'], '9.3f')}{r['tau']:6.2f}{fmt(r['tok_s'], '9.1f')}"
+              f"{fmt(r['tok_s_at_6_5'], '11.1f')}{r['floor_ms']:10.3f}{fmt(r['ratio'], '9.2f')}  {r['note']}")
+    print(f"compile + capture (s): {compile_s}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(conditions=conditions, rows=rows, errors=errors), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
