@@ -99,22 +99,13 @@ def round_times(generate_fn, target, drafter, prompt, max_new_tokens) -> tuple[l
     return [b - a for a, b in zip(stamps, stamps[1:])], gen
 
 
-def graph_time(fn, iters=50) -> float:
-    """Median ms of `fn` captured as a CUDA graph and replayed, with events around each replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+def graph_time(replay, iters=50) -> float:
+    """Median ms of a captured graph's replay, with events around each replay, after 5 warm-ups."""
     times = []
     for i in range(iters + 5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         torch.cuda.synchronize()
         if i >= 5:
@@ -156,73 +147,67 @@ def main():
     bandwidth = copy_bandwidth()
     lm_head = param_bytes(target.get_output_embeddings())
     ar_bytes = param_bytes(target, skip=("embed_tokens",)) + kv_bytes(target, context)
-    step_bytes = ar_bytes + param_bytes(drafter) + lm_head   # the LM head is read again for draft logits
-    floor_ar, floor_step = ar_bytes / bandwidth * 1e3, step_bytes / bandwidth * 1e3
+    draft_bytes = param_bytes(drafter) + lm_head   # the LM head is read again for the draft logits
+    floor_ar, floor_step = ar_bytes / bandwidth * 1e3, (ar_bytes + draft_bytes) / bandwidth * 1e3
+    conditions = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                      transformers=__import__("transformers").__version__, python=platform.python_version(),
+                      shape=args.shape, dtype="bfloat16", batch=1, prompt_len=args.prompt_len,
+                      new_tokens=args.new_tokens, K=K, weights="random (timing only; τ measured = 1)",
+                      copy_bandwidth_TBps=bandwidth / 1e12, bytes_ar=ar_bytes, bytes_dflash_step=ar_bytes + draft_bytes,
+                      compile_and_capture_s={})
     rows, errors = [], {}
+    print(f"\n{args.shape}: {conditions['gpu']}, bf16, batch 1, prompt {args.prompt_len}, {args.new_tokens} new, "
+          f"K={K}, random weights; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
+          f"{floor_step:.3f} ms/DFlash step (incl. {lm_head / 1e9:.2f} GB LM head read again for drafts)")
+    print(f"{'row':<22}{'ms/step':>9}{'tau':>6}{'tok/s':>9}{'tok/s@6.5':>11}{'floor ms':>10}{'x floor':>9}")
 
     def add(name, ms, tau, floor, speculative=False, note=""):
         tokens_at_6_5 = PROJECTED_TAU if speculative else 1.0   # an AR step commits one token whatever τ is
-        rows.append(dict(row=name, ms_per_step=ms, tau=tau, tok_s=tau / ms * 1e3 if ms else None,
-                         tok_s_at_6_5=tokens_at_6_5 / ms * 1e3 if ms else None,
-                         floor_ms=floor, ratio=ms / floor if ms else None, note=note))
+        r = dict(row=name, ms_per_step=ms, tau=tau, tok_s=tau / ms * 1e3 if ms else None,
+                 tok_s_at_6_5=tokens_at_6_5 / ms * 1e3 if ms else None,
+                 floor_ms=floor, ratio=ms / floor if ms else None, note=note)
+        rows.append(r)
+        fmt = lambda v, f: format(v, f) if v is not None else "-"
+        print(f"{r['row']:<22}{fmt(r['ms_per_step'], '9.3f')}{r['tau']:6.2f}{fmt(r['tok_s'], '9.1f')}"
+              f"{fmt(r['tok_s_at_6_5'], '11.1f')}{r['floor_ms']:10.3f}{fmt(r['ratio'], '9.2f')}  {r['note']}",
+              flush=True)
+        if args.out:   # rewritten after every row, so a run cut short still leaves its numbers
+            with open(args.out, "w") as f:
+                json.dump(dict(conditions=conditions, rows=rows, errors=errors), f, indent=2)
 
-    if "hf-eager" not in skip:
-        add("hf-eager", hf_generate_rate(target, prompt, args.new_tokens), 1.0, floor_ar)
-    if "hf-static-compile" not in skip:
-        eager_forward = target.forward
-        try:
-            target.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
-            add("hf-static-compile", hf_generate_rate(target, prompt, args.new_tokens, cache_implementation="static"),
-                1.0, floor_ar)
-        except Exception as err:   # report, keep going: this row is known to fail on some releases
-            errors["hf-static-compile"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-            traceback.print_exc()
-            add("hf-static-compile", None, 1.0, floor_ar, note="failed: " + errors["hf-static-compile"])
-        finally:
-            target.forward = eager_forward
-            torch._dynamo.reset()
-    if "dflash-ref" not in skip:
-        times, gen = round_times(dflash.generate, target, drafter, prompt, 48)
-        add("dflash-ref step", statistics.median(times[4:]) * 1e3, gen.tau, floor_step, speculative=True)
-
-    compile_s = {}
     capacity = -(-(args.prompt_len + args.new_tokens + K) // 256) * 256
     fast = lambda *a, **kw: fastpath.generate(*a, capacity=capacity, **kw)
     for name, d in (("fast-ar", None), ("fast-dflash", drafter)):
         t0 = time.perf_counter()
         fast(target, d, prompt, 8)   # builds the buffers, compiles and captures the step
         torch.cuda.synchronize()
-        compile_s[name] = time.perf_counter() - t0
+        conditions["compile_and_capture_s"][name] = round(time.perf_counter() - t0, 1)
         times, gen = round_times(fast, target, d, prompt, args.new_tokens)
         add(name + (" step" if d is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
             floor_step if d is not None else floor_ar, speculative=d is not None)
     dec = next(iter(fastpath._decoders.values()))
-    dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
-    draft_bytes = param_bytes(drafter) + lm_head
-    add("  fast draft part", graph_time(torch.compile(dec.draft, fullgraph=True)), 1.0,
-        draft_bytes / bandwidth * 1e3)
-    dec.buf.start.fill_(context)
-    add("  fast verify part", graph_time(torch.compile(dec.verify, fullgraph=True)), 1.0,
-        ar_bytes / bandwidth * 1e3)
-
-    conditions = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                      transformers=__import__("transformers").__version__, python=platform.python_version(),
-                      shape=args.shape, dtype="bfloat16", batch=1, prompt_len=args.prompt_len,
-                      new_tokens=args.new_tokens, K=K, weights="random (timing only; τ measured = 1)",
-                      copy_bandwidth_TBps=bandwidth / 1e12, bytes_ar=ar_bytes, bytes_dflash_step=step_bytes,
-                      compile_and_capture_s=compile_s)
-    print(f"\n{args.shape}: {conditions['gpu']}, bf16, batch 1, prompt {args.prompt_len}, {args.new_tokens} new, "
-          f"K={K}, random weights; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
-          f"{floor_step:.3f} ms/DFlash step")
-    print(f"{'row':<22}{'ms/step':>9}{'tau':>6}{'tok/s':>9}{'tok/s@6.5':>11}{'floor ms':>10}{'x floor':>9}")
-    for r in rows:
-        fmt = lambda v, f: format(v, f) if v is not None else "-"
-        print(f"{r['row']:<22}{fmt(r['ms_per_step'], '9.3f')}{r['tau']:6.2f}{fmt(r['tok_s'], '9.1f')}"
-              f"{fmt(r['tok_s_at_6_5'], '11.1f')}{r['floor_ms']:10.3f}{fmt(r['ratio'], '9.2f')}  {r['note']}")
-    print(f"compile + capture (s): {compile_s}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(conditions=conditions, rows=rows, errors=errors), f, indent=2)
+    if dec.graphs:
+        dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
+        add("  fast draft part", graph_time(dec.graphs["draft"].replay), 1.0, draft_bytes / bandwidth * 1e3)
+        dec.buf.start.fill_(context)
+        add("  fast verify part", graph_time(dec.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
+    if "dflash-ref" not in skip:
+        times, gen = round_times(dflash.generate, target, drafter, prompt, 24)
+        add("dflash-ref step", statistics.median(times[4:]) * 1e3, gen.tau, floor_step, speculative=True)
+    if "hf-eager" not in skip:
+        add("hf-eager", hf_generate_rate(target, prompt, 64), 1.0, floor_ar)
+    if "hf-static-compile" not in skip:
+        eager_forward = target.forward
+        try:
+            target.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
+            add("hf-static-compile", hf_generate_rate(target, prompt, 64, cache_implementation="static"),
+                1.0, floor_ar)
+        except Exception as err:   # report, keep going: this row is known to fail on some releases
+            errors["hf-static-compile"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            add("hf-static-compile", None, 1.0, floor_ar, note="failed: " + errors["hf-static-compile"][:90])
+        finally:
+            target.forward = eager_forward
+    print(f"compile + capture (s): {conditions['compile_and_capture_s']}")
 
 
 if __name__ == "__main__":

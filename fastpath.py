@@ -7,8 +7,8 @@ The same math as `dflash.py`, token for token, arranged for a GPU. What differs:
     by device-side counters (the next step simply overwrites rejected rows, which masks hide);
   - folded weights: each drafter layer's context K/V projections are stacked into one matrix,
     and for Laguna the input norm's weight is folded into it (one shared 1/rms, in fp32);
-  - compiled, graphed step: on CUDA the whole step (draft block, target verify with capture,
-    accept, context append) is compiled with torch.compile and captured as one CUDA graph;
+  - compiled, graphed step: on CUDA the draft block, and the target verify with capture, accept
+    and context append, are each compiled with torch.compile and captured as a CUDA graph;
   - one host sync per step: reading the accepted tokens.
 On CPU the same code runs eagerly, without graphs, so the reference-equality tests run anywhere.
 
@@ -202,8 +202,7 @@ class Decoder:
             target_cache=new_target_cache(target, capacity),
             ctx_keys=None if ctx_shape is None else torch.zeros(ctx_shape, dtype=dtype, device=dev),
             ctx_values=None if ctx_shape is None else torch.zeros(ctx_shape, dtype=dtype, device=dev))
-        self.graph = None          # the captured step, on CUDA
-        self.compiled_step = torch.compile(self.step, fullgraph=True) if dev.type == "cuda" else self.step
+        self.graphs = None         # the captured draft/verify graphs on CUDA; False if uncapturable
 
     def prefill(self, prompt_ids: list[int]) -> int:
         """Eager, variable length: fill the target cache and the drafter context for the prompt."""
@@ -240,7 +239,7 @@ class Decoder:
         accepted = verify(buf.verify_ids[1:], target_tokens, buf.max_accept)            # ()
         if self.drafter is not None:   # all K+1 rows; rows past `accepted` are masked, then overwritten
             append_context(self.drafter, self.folded, buf, project_context(self.drafter, features), positions)
-        bonus = target_tokens[accepted]
+        bonus = target_tokens.gather(0, accepted[None])[0]                               # () t_a
         drafts = buf.verify_ids[1:]                                                     # (K,)
         emitted = torch.where(torch.arange(K + 1, device=self.device) < accepted,
                               torch.cat([drafts, bonus[None]]), bonus)                  # (K+1,) d_1..d_a, t_a, ...
@@ -249,28 +248,45 @@ class Decoder:
         buf.start.add_(accepted + 1)
 
     def run_step(self):
-        """One step; on CUDA, replay the captured graph (captured on first use)."""
-        if self.device.type != "cuda":
+        """One step; on CUDA, replay the captured draft and verify graphs (captured on first use)."""
+        if self.device.type != "cuda" or self.graphs is False:
             return self.step()
-        if self.graph is None:
-            self.capture()
-        self.graph.replay()
+        if self.graphs is None:
+            try:
+                self.capture()
+            except torch._dynamo.exc.TorchDynamoException as err:
+                # A target whose forward has data-dependent control flow (e.g. an MoE whose experts
+                # loop over the tokens routed to them) cannot be one graph: run the same step eagerly.
+                print(f"fastpath: the step cannot be compiled as one graph ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0][:160]}); running it eagerly with the same buffers.",
+                      file=sys.stderr)
+                self.graphs = False
+                return self.step()
+        for graph in self.graphs.values():
+            graph.replay()
 
     def capture(self):
-        """Compile, warm up on a side stream, then capture the step as one CUDA graph. The warm-up
-        steps run on a throwaway state, which is restored afterwards."""
+        """Compile the draft and the verify part, warm them up on a side stream, then capture each
+        as a CUDA graph. Warm-up runs on a throwaway state, which is restored afterwards."""
         saved = [t.clone() for t in self.state_tensors()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self.compiled_step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.compiled_step()
+        parts = {"draft": self.draft, "verify": self.verify} if self.drafter is not None else {"verify": self.verify}
+        # Every Decoder compiles the same methods anew; a captured graph no longer needs its compiled code.
+        with torch._dynamo.config.patch(recompile_limit=1024):
+            compiled = {name: torch.compile(fn, fullgraph=True) for name, fn in parts.items()}
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    for fn in compiled.values():
+                        fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graphs = {name: torch.cuda.CUDAGraph() for name in compiled}
+            for name, fn in compiled.items():
+                with torch.cuda.graph(graphs[name]):
+                    fn()
         for t, s in zip(self.state_tensors(), saved):
             t.copy_(s)
+        self.graphs = graphs
 
     def state_tensors(self):
         buf = self.buf
