@@ -113,6 +113,20 @@ def graph_time(replay, iters=50) -> float:
     return statistics.median(times)
 
 
+def profile_step(dec, steps=10):
+    """Kernel count and the costliest kernels of the graphed draft and verify parts."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            for graph in dec.graphs.values():
+                graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
+    print(f"profile: {len(kernels) / steps:.0f} kernels per step, {busy_ms:.3f} ms of kernel time per step")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+
+
 def hf_generate_rate(target, prompt, max_new_tokens, **kwargs) -> float:
     """ms per token of HF generate (decode part: total minus a 1-token run for the prefill)."""
     ids = torch.tensor([prompt], device="cuda")
@@ -136,6 +150,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--skip", default="", help="comma-separated rows to skip")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--profile", action="store_true", help="also print the kernels of one graphed step")
     args = p.parse_args()
     skip = set(args.skip.split(","))
     shape = SHAPES[args.shape]
@@ -187,10 +202,13 @@ def main():
             floor_step if d is not None else floor_ar, speculative=d is not None)
     dec = next(iter(fastpath._decoders.values()))
     if dec.graphs:
-        dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
-        add("  fast draft part", graph_time(dec.graphs["draft"].replay), 1.0, draft_bytes / bandwidth * 1e3)
-        dec.buf.start.fill_(context)
-        add("  fast verify part", graph_time(dec.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
+        with torch.inference_mode():   # the buffers are inference tensors
+            dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
+            add("  fast draft part", graph_time(dec.graphs["draft"].replay), 1.0, draft_bytes / bandwidth * 1e3)
+            dec.buf.start.fill_(context)
+            add("  fast verify part", graph_time(dec.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
+        if args.profile:
+            profile_step(dec)
     if "dflash-ref" not in skip:
         times, gen = round_times(dflash.generate, target, drafter, prompt, 24)
         add("dflash-ref step", statistics.median(times[4:]) * 1e3, gen.tau, floor_step, speculative=True)
