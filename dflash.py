@@ -475,13 +475,72 @@ def gate(attn: DraftAttention, u, o):
 
 
 # -----------------------------------------------------------------------------
-# Verification
+# Verification: greedy, or lossless rejection sampling
 
-def verify(drafts, target_tokens) -> int:
-    """Number of leading drafts equal to the target's greedy token at the same position.
-    drafts (k,), target_tokens (k+1,): t_{i-1} is the target's choice where d_i stands."""
-    matches = (drafts == target_tokens[:-1]).long()                                    # (k,)
-    return int(matches.cumprod(0).sum())   # cumprod zeroes everything after the first miss
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0   # 0: greedy, an exact argmax
+    top_p: float = 1.0         # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0             # keep the k most likely tokens; 0 keeps all
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise DFlashError(f"temperature = {self.temperature} must be ≥ 0")
+        if not 0 < self.top_p <= 1:
+            raise DFlashError(f"top_p = {self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise DFlashError(f"top_k = {self.top_k} must be ≥ 0")
+
+
+def target_probs(logits, sampling: Sampling):
+    """The target's processed distribution p per row: logits (N, V) / T, top-k, softmax, top-p, renormalised."""
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature      # (N, V)
+    if 0 < sampling.top_k < scores.shape[-1]:
+        top = scores.topk(sampling.top_k, dim=-1).indices                                            # (N, k)
+        scores = torch.full_like(scores, -torch.inf).scatter(-1, top, scores.gather(-1, top))
+    probs = scores.softmax(-1)                                                                        # (N, V)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < sampling.top_p   # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def residual(probs, token):
+    """p with `token` removed; `sample` renormalises by the mass that is left."""
+    return probs.scatter(-1, token[None], 0.0)                                                      # (V,)
+
+
+def sample(dist, u):
+    """Inverse-CDF draw from a distribution (V,) that need not sum to 1, with a uniform u in [0, 1)."""
+    cdf = dist.cumsum(-1)                                                                             # (V,)
+    return torch.searchsorted(cdf, (u * cdf[-1])[None], right=True)[0].clamp(max=len(dist) - 1)
+
+
+def verify(drafts, logits, sampling: Sampling, uniforms) -> tuple[int, int]:
+    """Accept a prefix of the drafts (k,) against target logits (k+1, V); row i is the target's
+    distribution where d_{i+1} stands. Returns (accepted drafts a, the target's next token).
+
+    Greedy (T = 0): d_i is accepted while it equals the target's argmax; the next token is the argmax
+    of row a. Sampling (T > 0) is rejection sampling with the one-hot proposal q = δ(d_i):
+    accept d_i with probability min(1, p(d_i)/q(d_i)) = p(d_i); at the first rejection draw from the
+    residual max(0, p − q)/Σ = p with d_i removed, renormalised; if all are accepted draw from p_k.
+    Exact: P(emit x) = p(d)·[x = d] + (1 − p(d))·p(x)[x ≠ d]/(1 − p(d)) = p(x) for every x, so each
+    emitted token has the target's distribution given its prefix, whatever the drafter proposed.
+    uniforms (K+1,): one per draft for acceptance, the last for the draw."""
+    k = len(drafts)
+    if sampling.temperature == 0:
+        target_tokens = logits.argmax(-1)                                                         # (k+1,)
+        matches = (drafts == target_tokens[:-1]).long()                                           # (k,)
+        accepted = int(matches.cumprod(0).sum())   # cumprod zeroes everything after the first miss
+        return accepted, int(target_tokens[accepted])
+    probs = target_probs(logits, sampling)                                                        # (k+1, V)
+    p_draft = probs[:-1].gather(-1, drafts[:, None])[:, 0]                                        # (k,)
+    matches = (uniforms[:k] < p_draft).long()                  # accept d_i with probability p(d_i)
+    accepted = int(matches.cumprod(0).sum())
+    dist = residual(probs[accepted], drafts[accepted]) if accepted < k else probs[accepted]
+    return accepted, int(sample(dist, uniforms[-1]))
 
 
 # -----------------------------------------------------------------------------
@@ -515,24 +574,38 @@ def check_request(target, drafter, prompt_ids, max_new_tokens, num_drafts):
                           f"(block_size {drafter.config.block_size})")
 
 
+def new_generator(device, seed: int | None) -> torch.Generator:
+    generator = torch.Generator(device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 @torch.inference_mode()
 def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num_drafts: int | None = None,
-             full_block: bool = True, stop_ids=(), on_tokens=None) -> Generation:
-    """Greedy DFlash decoding, token-identical to the target's own greedy decode.
+             full_block: bool = True, stop_ids=(), on_tokens=None, sampling: Sampling = Sampling(),
+             seed: int | None = None) -> Generation:
+    """DFlash decoding. Greedy (the default) is token-identical to the target's own greedy decode;
+    with sampling.temperature > 0 every token has the target's own sampling distribution.
     drafter=None decodes with the target alone through the same loop (K = 0).
     full_block computes all B drafter rows (z-lab); otherwise only K+1.
-    on_tokens(list[int]) is called with each round's committed tokens, for streaming."""
+    on_tokens(list[int]) is called with each round's committed tokens, for streaming.
+    seed fixes the uniforms of sampling: K+1 per verification, drawn on the target's device."""
     K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
     check_request(target, drafter, prompt_ids, max_new_tokens, K)
     device = target.get_input_embeddings().weight.device
     layer_ids = [] if drafter is None else drafter.config.target_layer_ids
     stops = set(stop_ids)
+    generator = new_generator(device, seed)
+    uniforms = lambda: torch.rand(K + 1, generator=generator, device=device, dtype=torch.float64)  # (K+1,)
 
     # Prefill: target logits for the first token and captured features for the whole prompt.
     cache = new_target_cache()
     prompt = torch.tensor(prompt_ids, device=device)                                    # (P,)
     logits, features = target_forward(target, prompt, 0, cache, layer_ids)
-    bonus = int(logits[-1].argmax())
+    _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms())   # no drafts: argmax or a draw
     out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
     if on_tokens:
         on_tokens([bonus])
@@ -552,9 +625,8 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
 
         logits, features = target_forward(target, torch.cat([torch.tensor([bonus], device=device), drafts]),
                                           start, cache, layer_ids)                      # (k+1, V)
-        target_tokens = logits.argmax(-1)                                               # (k+1,)
-        accepted = verify(drafts, target_tokens)
-        new_tokens = drafts[:accepted].tolist() + [int(target_tokens[accepted])]
+        accepted, next_token = verify(drafts, logits, sampling, uniforms())
+        new_tokens = drafts[:accepted].tolist() + [next_token]
         crop_cache(cache, start + accepted + 1)   # drop K/V of rejected drafts
         if drafter is not None:
             append_context(drafter, ctx, project_context(drafter, features[:accepted + 1]))  # lags by one
@@ -609,7 +681,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="DFlash speculative decoding (greedy, lossless).")
+    p = argparse.ArgumentParser(description="DFlash speculative decoding (lossless: greedy or sampled).")
     p.add_argument("--target", help="target model: local dir or hub id (default: embedded demo pair)")
     p.add_argument("--draft", help="DFlash drafter checkpoint: local dir or hub id")
     p.add_argument("--prompt", default="Write a short poem about the sea.", help="prompt text")
@@ -619,7 +691,11 @@ def parse_args(argv=None):
     p.add_argument("--num-drafts", type=int, help="drafts K per step (default block_size - 1)")
     p.add_argument("--compute-width", choices=["block", "drafts"], default="block",
                    help="drafter rows per step: the full block (z-lab) or K+1")
-    p.add_argument("--target-only", action="store_true", help="plain greedy decoding of the target")
+    p.add_argument("--target-only", action="store_true", help="decode with the target alone, same loop")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples, losslessly")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 keeps all")
+    p.add_argument("--seed", type=int, help="seed of the sampling uniforms, for reproducible runs")
     p.add_argument("--dtype", choices=list(DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", help="default cuda if available, else cpu")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of text and stats")
@@ -650,6 +726,7 @@ def main(argv=None, generate_fn=None):
     hf_logging.disable_progress_bar()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k)
     if (args.target is None) != (args.draft is None):
         raise DFlashError("--target and --draft go together (or neither, for the demo)")
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else None
@@ -683,7 +760,8 @@ def main(argv=None, generate_fn=None):
 
     t0 = time.perf_counter()
     gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
-                   full_block=args.compute_width == "block", stop_ids=stop_ids, on_tokens=stream)
+                      full_block=args.compute_width == "block", stop_ids=stop_ids, on_tokens=stream,
+                      sampling=sampling, seed=args.seed)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

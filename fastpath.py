@@ -35,6 +35,7 @@ from dflash import DFlashError, Drafter, Generation, project_context, rope
 class Buffers:
     start: torch.Tensor          # ()          position of the bonus token = committed length - 1
     max_accept: torch.Tensor     # ()          drafts that may be accepted this step (k ≤ K)
+    uniforms: torch.Tensor       # (K+1,)      float64 uniforms of this step's sampling, drawn outside graphs
     verify_ids: torch.Tensor     # (K+1,)      [bonus, d_1..d_K], the verify input
     result: torch.Tensor         # (2K+2,)     [a, d_1..d_a, t_a, padding (K+1 in all), d_1..d_K]
     target_cache: object         # HF Cache of T full-length static layers, (1, hk_t, C, d_t) each
@@ -170,10 +171,23 @@ def target_forward(target, ids, positions, cache, capture: Capture):
     return out.logits[0], capture.features()                                          # (N, V), (N, n·H)
 
 
-def verify(drafts, target_tokens, max_accept):
-    """dflash.verify on the device: leading matches, capped at the drafts allowed this step."""
-    matches = (drafts == target_tokens[:-1]).long()                                    # (K,)
-    return torch.minimum(matches.cumprod(0).sum(), max_accept)   # cumprod zeroes after the first miss
+def verify(drafts, logits, sampling: dflash.Sampling, uniforms, max_accept):
+    """dflash.verify on the device with fixed shapes: drafts (K,), logits (K+1, V). Acceptance is
+    capped at `max_accept` drafts; returns (accepted, next token) as 0-d tensors, with no sync."""
+    K = len(drafts)
+    if sampling.temperature == 0:
+        target_tokens = logits.argmax(-1)                                                 # (K+1,)
+        matches = (drafts == target_tokens[:-1]).long()                                   # (K,)
+        accepted = torch.minimum(matches.cumprod(0).sum(), max_accept)   # cumprod: zero after a miss
+        return accepted, target_tokens.gather(0, accepted[None])[0]
+    probs = dflash.target_probs(logits, sampling)                                         # (K+1, V)
+    p_draft = probs[:-1].gather(-1, drafts[:, None])[:, 0]                                # (K,)
+    run = (uniforms[:K] < p_draft).long().cumprod(0).sum()        # accept d_i with probability p(d_i)
+    accepted = torch.minimum(run, max_accept)
+    row = probs.index_select(0, accepted[None])[0]                                        # (V,) p_a
+    rejected = torch.cat([drafts, drafts.new_zeros(1)]).gather(0, accepted[None])[0]      # () d_{a+1}
+    dist = torch.where(run < max_accept, dflash.residual(row, rejected), row)   # a draft was rejected
+    return accepted, dflash.sample(dist, uniforms[-1])
 
 
 # -----------------------------------------------------------------------------
@@ -182,8 +196,10 @@ def verify(drafts, target_tokens, max_accept):
 class Decoder:
     """Owns the static buffers and the step for one target/drafter pair and capacity."""
 
-    def __init__(self, target, drafter: Drafter | None, capacity: int, num_drafts: int, full_block: bool):
+    def __init__(self, target, drafter: Drafter | None, capacity: int, num_drafts: int, full_block: bool,
+                 sampling: dflash.Sampling = dflash.Sampling()):
         self.target, self.drafter, self.capacity, self.K = target, drafter, capacity, num_drafts
+        self.sampling = sampling
         self.device = target.get_input_embeddings().weight.device
         self.capture_hooks = Capture(target, [] if drafter is None else drafter.config.target_layer_ids)
         dev, K = self.device, num_drafts
@@ -197,6 +213,7 @@ class Decoder:
         self.buf = Buffers(
             start=torch.zeros((), dtype=torch.long, device=dev),
             max_accept=torch.zeros((), dtype=torch.long, device=dev),
+            uniforms=torch.zeros(K + 1, dtype=torch.float64, device=dev),
             verify_ids=torch.zeros(K + 1, dtype=torch.long, device=dev),
             result=torch.zeros(2 * K + 2, dtype=torch.long, device=dev),
             target_cache=new_target_cache(target, capacity),
@@ -207,11 +224,12 @@ class Decoder:
     def prefill(self, prompt_ids: list[int]) -> int:
         """Eager, variable length: fill the target cache and the drafter context for the prompt."""
         buf, P = self.buf, len(prompt_ids)
+        buf.max_accept.zero_()
         positions = torch.arange(P, device=self.device)                                 # (P,)
         set_cache_length(buf.target_cache, torch.zeros((), dtype=torch.long, device=self.device))
         logits, features = target_forward(self.target, torch.tensor(prompt_ids, device=self.device), positions,
                                           buf.target_cache, self.capture_hooks)
-        bonus = logits[-1].argmax()
+        _, bonus = verify(buf.verify_ids[:0], logits[-1:], self.sampling, buf.uniforms, buf.max_accept)
         if self.drafter is not None:
             append_context(self.drafter, self.folded, buf, project_context(self.drafter, features), positions)
         buf.start.fill_(P)
@@ -235,11 +253,9 @@ class Decoder:
         set_cache_length(buf.target_cache, buf.start)
         logits, features = target_forward(self.target, buf.verify_ids, positions, buf.target_cache,
                                           self.capture_hooks)                           # (K+1, V)
-        target_tokens = logits.argmax(-1)                                               # (K+1,)
-        accepted = verify(buf.verify_ids[1:], target_tokens, buf.max_accept)            # ()
+        accepted, bonus = verify(buf.verify_ids[1:], logits, self.sampling, buf.uniforms, buf.max_accept)
         if self.drafter is not None:   # all K+1 rows; rows past `accepted` are masked, then overwritten
             append_context(self.drafter, self.folded, buf, project_context(self.drafter, features), positions)
-        bonus = target_tokens.gather(0, accepted[None])[0]                               # () t_a
         drafts = buf.verify_ids[1:]                                                     # (K,)
         emitted = torch.where(torch.arange(K + 1, device=self.device) < accepted,
                               torch.cat([drafts, bonus[None]]), bonus)                  # (K+1,) d_1..d_a, t_a, ...
@@ -290,7 +306,7 @@ class Decoder:
 
     def state_tensors(self):
         buf = self.buf
-        tensors = [buf.start, buf.max_accept, buf.verify_ids, buf.result]
+        tensors = [buf.start, buf.max_accept, buf.uniforms, buf.verify_ids, buf.result]
         tensors += [t for layer in buf.target_cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
         if buf.ctx_keys is not None:
             tensors += [buf.ctx_keys, buf.ctx_values]
@@ -303,22 +319,24 @@ class Decoder:
 _decoders: dict = {}
 
 
-def decoder_for(target, drafter, capacity: int, K: int, full_block: bool) -> Decoder:
-    """Reuse the buffers and captured graph of an earlier call with the same shapes."""
-    key = (target, drafter, capacity, K, full_block)
+def decoder_for(target, drafter, capacity: int, K: int, full_block: bool, sampling) -> Decoder:
+    """Reuse the buffers and captured graphs of an earlier call with the same shapes and sampling."""
+    key = (target, drafter, capacity, K, full_block, sampling)
     if key not in _decoders:
         for old in _decoders.values():   # one live set of buffers and hooks at a time
             old.capture_hooks.remove()
         _decoders.clear()
-        _decoders[key] = Decoder(target, drafter, capacity, K, full_block)
+        _decoders[key] = Decoder(target, drafter, capacity, K, full_block, sampling)
     return _decoders[key]
 
 
 @torch.inference_mode()
 def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num_drafts: int | None = None,
-             full_block: bool = True, stop_ids=(), on_tokens=None, capacity: int | None = None) -> Generation:
-    """dflash.generate with static buffers. `capacity` (positions) defaults to what this request
-    needs; a request past a given capacity is refused before anything is written."""
+             full_block: bool = True, stop_ids=(), on_tokens=None, sampling: dflash.Sampling = dflash.Sampling(),
+             seed: int | None = None, capacity: int | None = None) -> Generation:
+    """dflash.generate with static buffers; the same seed draws the same uniforms, so sampled runs
+    match too. `capacity` (positions) defaults to what this request needs, rounded up; a request
+    past a given capacity is refused before anything is written."""
     K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
     dflash.check_request(target, drafter, prompt_ids, max_new_tokens, K)
     needed = len(prompt_ids) + max_new_tokens + K   # the last step verifies K+1 rows from P+max_new-2
@@ -326,9 +344,14 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     if needed > capacity:
         raise DFlashError(f"prompt + max_new_tokens + K = {len(prompt_ids)} + {max_new_tokens} + {K} exceeds "
                           f"the buffer capacity {capacity}")
-    dec = decoder_for(target, drafter, capacity, K, full_block)
+    dec = decoder_for(target, drafter, capacity, K, full_block, sampling)
     stops = set(stop_ids)
+    generator = dflash.new_generator(dec.device, seed)
 
+    def draw_uniforms():   # a kernel outside the graphs: no sync, and the graphs read the buffer
+        torch.rand(K + 1, generator=generator, device=dec.device, dtype=torch.float64, out=dec.buf.uniforms)
+
+    draw_uniforms()
     bonus = dec.prefill(prompt_ids)
     out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
     if on_tokens:
@@ -336,6 +359,7 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     while bonus not in stops and len(out.tokens) < max_new_tokens:
         k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
         dec.buf.max_accept.fill_(k)
+        draw_uniforms()
         dec.run_step()
         result = dec.buf.result.tolist()                   # the one host sync of the step
         accepted = result[0]

@@ -672,13 +672,13 @@ def helped(real_propose, reference, prompt_len, start_of, seed):
     return propose
 
 
-def run_both(target, drafter, prompt, max_new, seed, capacity=None, **kwargs):
+def run_both(target, drafter, prompt, max_new, help_seed, capacity=None, **kwargs):
     reference = hf_greedy(target, prompt, max_new + 8)
     with mock.patch.object(dflash, "propose", helped(dflash.propose, reference, len(prompt),
-                                                     lambda ctx: ctx.length, seed)):
+                                                     lambda ctx: ctx.length, help_seed)):
         ref = dflash.generate(target, drafter, prompt, max_new, **kwargs)
     with mock.patch.object(fastpath, "propose", helped(fastpath.propose, reference, len(prompt),
-                                                       lambda buf: buf.start, seed)):
+                                                       lambda buf: buf.start, help_seed)):
         fast = fastpath.generate(target, drafter, prompt, max_new, capacity=capacity, **kwargs)
     return ref, fast, reference
 
@@ -719,7 +719,7 @@ def test_fastpath_stops_like_reference(targets, drafters):
     prompt = [7, 1, 8, 2, 8]
     reference = hf_greedy(targets["qwen3"], prompt, 40)
     stop = next(t for i, t in enumerate(reference) if i >= 3 and t not in reference[:i])
-    ref, fast, _ = run_both(targets["qwen3"], drafters("qwen3", "zlab", 6), prompt, 40, seed=3, stop_ids={stop})
+    ref, fast, _ = run_both(targets["qwen3"], drafters("qwen3", "zlab", 6), prompt, 40, help_seed=3, stop_ids={stop})
     assert_same_generation(fast, ref)
     assert fast.tokens[-1] == stop
 
@@ -730,7 +730,7 @@ def test_fastpath_fills_capacity_exactly_and_refuses_past_it(targets, drafters):
     target, drafter, prompt = targets["llama"], drafters("llama", "zlab-new", 5), [2, 7, 1, 8]
     K, max_new = 4, 20
     capacity = len(prompt) + max_new + K
-    ref, fast, reference = run_both(target, drafter, prompt, max_new, seed=5, capacity=capacity)
+    ref, fast, reference = run_both(target, drafter, prompt, max_new, help_seed=5, capacity=capacity)
     assert_same_generation(fast, ref)
     assert_same_tokens(fast.tokens, reference[:max_new])
     with pytest.raises(DFlashError, match=rf"4 \+ 21 \+ 4 exceeds the buffer capacity {capacity}"):
@@ -814,3 +814,137 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
     with mock.patch.object(fastpath, "propose", mask_drafts):     # a new capacity: new buffers, new graphs
         alone = fastpath.generate(target, drafter, prompt, 40, capacity=512)
     assert_same_tokens(fast.tokens, alone.tokens)
+
+
+# -----------------------------------------------------------------------------
+# Sampling at T > 0: lossless rejection sampling in both files
+
+def test_target_probs_applies_temperature_top_k_and_top_p():
+    """p = softmax(logits / T) restricted to the top-k, then to the smallest prefix reaching top_p."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]], dtype=torch.float64)
+    full = torch.softmax(logits / 0.7, -1)
+    torch.testing.assert_close(dflash.target_probs(logits, dflash.Sampling(0.7)), full)
+    top3 = dflash.target_probs(logits, dflash.Sampling(0.7, top_k=3))
+    assert (top3[0, [2, 3]] == 0).all() and float(top3.sum()) == pytest.approx(1.0)
+    torch.testing.assert_close(top3[0, [0, 1, 4]], torch.softmax(logits[0, [0, 1, 4]] / 0.7, -1))
+    # full ≈ [.18, .043, .021, .002, .75]: mass 0.8 needs the top two tokens, 0.7 only the top one.
+    assert (dflash.target_probs(logits, dflash.Sampling(0.7, top_p=0.8))[0] > 0).tolist() == \
+        [True, False, False, False, True]
+    assert (dflash.target_probs(logits, dflash.Sampling(0.7, top_p=0.7))[0] > 0).sum() == 1
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(temperature=-1.0), r"temperature = -1\.0 must be ≥ 0"),
+                                            (dict(temperature=1.0, top_p=0.0), r"top_p = 0\.0 must be in"),
+                                            (dict(temperature=1.0, top_k=-2), r"top_k = -2 must be ≥ 0")])
+def test_bad_sampling_is_rejected(kwargs, message):
+    with pytest.raises(DFlashError, match=message):
+        dflash.Sampling(**kwargs)
+
+
+STAT_V, STAT_K, STAT_N = 6, 2, 20000
+
+
+def stat_tables(seed=0):
+    """A synthetic target P(x | prefix) for prefixes of up to 3 tokens over 6 tokens, and an imperfect
+    drafter Q (P's logits plus noise) that is right about half the time."""
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [()] + [p + (x,) for p in [()] for x in range(STAT_V)]
+    for _ in range(2):
+        prefixes += [p + (x,) for p in prefixes if len(p) == len(prefixes[-1]) for x in range(STAT_V)]
+    logits = {p: 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64) for p in prefixes}
+    drafts = {p: int((logits[p] + 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64)).argmax())
+              for p in prefixes}
+    return logits, drafts
+
+
+def speculative_first_three(verify_fn, logits, drafts, sampling, generator):
+    """First 3 tokens of one sequence: the prefill draw, then rounds of K=2 argmax drafts verified by
+    `verify_fn(drafts, logits rows, uniforms)`, exactly as generate chains them."""
+    u = torch.rand(STAT_K + 1, generator=generator, dtype=torch.float64)
+    _, first = verify_fn(torch.zeros(0, dtype=torch.long), logits[()][None], u)
+    tokens = [int(first)]
+    while len(tokens) < 3:
+        path, proposed = tuple(tokens), []
+        for _ in range(STAT_K):
+            proposed.append(drafts[path + tuple(proposed)] if len(path) + len(proposed) <= 3 else 0)
+        rows = torch.stack([logits[(path + tuple(proposed[:i]))[:3]] for i in range(STAT_K + 1)])
+        u = torch.rand(STAT_K + 1, generator=generator, dtype=torch.float64)
+        accepted, nxt = verify_fn(torch.tensor(proposed), rows, u)
+        tokens += proposed[:int(accepted)] + [int(nxt)]
+    return tuple(tokens[:3])
+
+
+def total_variation_vs_target(verify_fn, sampling):
+    """TV distance between the empirical joint of the first 3 tokens and the exact target joint, and
+    a bound it stays under with probability ≥ 1 − 1e-6 when sampling is exact: E[TV] ≤ ½Σ√(p(1−p)/N)
+    plus a McDiarmid deviation √(ln(1e6) / 2N)."""
+    logits, drafts = stat_tables()
+    probs = lambda p: dflash.target_probs(logits[p][None], sampling)[0]
+    exact = {(a, b, c): float(probs(())[a] * probs((a,))[b] * probs((a, b))[c])
+             for a in range(STAT_V) for b in range(STAT_V) for c in range(STAT_V)}
+    generator = torch.Generator().manual_seed(1)
+    counts = {}
+    for _ in range(STAT_N):
+        key = speculative_first_three(verify_fn, logits, drafts, sampling, generator)
+        counts[key] = counts.get(key, 0) + 1
+    tv = 0.5 * sum(abs(counts.get(x, 0) / STAT_N - p) for x, p in exact.items())
+    bound = 0.5 * sum(math.sqrt(p * (1 - p) / STAT_N) for p in exact.values()) + \
+        math.sqrt(math.log(1e6) / (2 * STAT_N))
+    return tv, bound
+
+
+SAMPLINGS = [dflash.Sampling(1.0), dflash.Sampling(0.8, top_p=0.9, top_k=4)]
+
+
+def reference_verify(sampling):
+    return lambda drafts, rows, u: dflash.verify(drafts, rows, sampling, u)
+
+
+def fastpath_verify(sampling):
+    return lambda drafts, rows, u: fastpath.verify(drafts, rows, sampling, u, torch.tensor(len(drafts)))
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.8-p0.9-k4"])
+@pytest.mark.parametrize("make_verify", [reference_verify, fastpath_verify], ids=["dflash", "fastpath"])
+def test_speculative_sampling_matches_target_distribution(make_verify, sampling):
+    """With an imperfect drafter, the joint law of the first 3 tokens equals the target's (20k draws)."""
+    tv, bound = total_variation_vs_target(make_verify(sampling), sampling)
+    assert tv < bound, f"TV {tv:.4f} ≥ bound {bound:.4f}"
+
+
+@pytest.mark.parametrize("make_verify", [reference_verify, fastpath_verify], ids=["dflash", "fastpath"])
+def test_sampling_without_the_residual_fails_the_same_check(make_verify):
+    """The same check catches a broken variant that redraws from p instead of p with d removed."""
+    with mock.patch.object(dflash, "residual", lambda probs, token: probs):
+        tv, bound = total_variation_vs_target(make_verify(SAMPLINGS[0]), SAMPLINGS[0])
+    assert tv > bound, f"broken sampling passed: TV {tv:.4f} < bound {bound:.4f}"
+
+
+@pytest.mark.parametrize("module", [dflash, fastpath], ids=["dflash", "fastpath"])
+def test_top_k_1_and_tiny_temperature_equal_greedy(targets, drafters, module):
+    target, drafter, prompt = targets["qwen3"], drafters("qwen3", "zlab", 4), [3, 1, 4, 1, 5]
+    greedy = module.generate(target, drafter, prompt, 16).tokens
+    assert module.generate(target, drafter, prompt, 16, sampling=dflash.Sampling(1.5, top_k=1), seed=0).tokens == greedy
+    assert module.generate(target, drafter, prompt, 16, sampling=dflash.Sampling(1e-4), seed=0).tokens == greedy
+
+
+@pytest.mark.parametrize("module", [dflash, fastpath], ids=["dflash", "fastpath"])
+def test_seeded_sampling_reproduces(targets, drafters, module):
+    target, drafter, prompt, hot = targets["llama"], drafters("llama", "zlab", 4), [3, 1, 4], dflash.Sampling(50.0)
+    runs = [module.generate(target, drafter, prompt, 16, sampling=hot, seed=s).tokens for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@settings(max_examples=20)
+@given(family=st.sampled_from(FAMILIES), fmt=st.sampled_from(FORMATS), block_size=st.integers(2, 6),
+       prompt=prompts, max_new=st.integers(1, 16), seed=st.integers(0, 10**6),
+       temperature=st.sampled_from([20.0, 60.0]), top_p=st.sampled_from([1.0, 0.9]),
+       top_k=st.sampled_from([0, 5]), data=st.data())
+def test_fastpath_sampling_equals_reference(targets, drafters, family, fmt, block_size, prompt, max_new, seed,
+                                            temperature, top_p, top_k, data):
+    """At T > 0 with the same seed, fastpath draws the same tokens and accepts the same drafts as dflash.py
+    (temperatures that flatten the peaked test targets, so that draws and rejections really happen)."""
+    K = data.draw(st.integers(1, block_size - 1))
+    ref, fast, _ = run_both(targets[family], drafters(family, fmt, block_size), prompt, max_new, seed,
+                            num_drafts=K, sampling=dflash.Sampling(temperature, top_p, top_k), seed=seed)
+    assert_same_generation(fast, ref)
