@@ -313,6 +313,7 @@ def resolve_dir(path: str) -> Path:
 def load_target(path: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
     try:
+        # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there.
         target = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, experts_implementation="eager" if device == "cpu" else None)
     except (OSError, ValueError) as err:
