@@ -733,7 +733,8 @@ def main(argv=None, generate_fn=None):
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else None
     if args.target is None:
         import tempfile
-        target_path, draft_path = write_demo_pair(Path(tempfile.mkdtemp(prefix="dflash-demo-")))
+        demo_dir = tempfile.TemporaryDirectory(prefix="dflash-demo-")   # removed when main returns
+        target_path, draft_path = write_demo_pair(Path(demo_dir.name))
         prompt_ids = prompt_ids or [1, 2, 3, 4, 5, 6, 7, 8]
         print("demo: a tiny RANDOM target and drafter built on the fly (no tokenizer); "
               "acceptance is near chance, tau ~ 1.", file=sys.stderr)
