@@ -728,8 +728,10 @@ def main(argv=None, generate_fn=None):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
-    if (args.target is None) != (args.draft is None):
-        raise DFlashError("--target and --draft go together (or neither, for the demo)")
+    if args.draft is not None and args.target is None:
+        raise DFlashError(f"--draft = {args.draft!r} needs --target")
+    if args.target is not None and args.draft is None and not args.target_only:
+        raise DFlashError(f"--target = {args.target!r} needs --draft (or --target-only)")
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else None
     if args.target is None:
         import tempfile
@@ -786,8 +788,9 @@ def load_tokenizer(path: str):
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat and tokenizer.chat_template:
+        # No thinking: drafters are trained on the target's plain answers (templates without the flag ignore it).
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
+                                               add_generation_prompt=True, enable_thinking=False)
         return tokenizer.encode(prompt, add_special_tokens=False)
     return tokenizer.encode(prompt)
 

@@ -621,10 +621,22 @@ def test_cli_bad_input_is_one_line_exit_2(checkpoints, tmp_path):
     assert "nowhere" in missing.stderr
 
 
+def test_cli_target_only_needs_no_drafter(checkpoints, targets):
+    """`--target-only` decodes with the target alone, no --draft needed; --target alone is an error."""
+    args = ["--target", str(checkpoints["llama"]), "--prompt-ids", "5,6,7", "--max-new-tokens", "8",
+            "--dtype", "float64", "--device", "cpu"]
+    alone = run_cli(*args, "--target-only", "--json")
+    assert alone.returncode == 0, alone.stderr
+    assert_same_tokens(json.loads(alone.stdout)["tokens"], hf_greedy(targets["llama"], [5, 6, 7], 8))
+    missing = run_cli(*args)
+    assert missing.returncode == 2 and "needs --draft (or --target-only)" in missing.stderr
+
+
 def test_cli_help_documents_every_flag():
     result = run_cli("--help")
     for flag in ["--target", "--draft", "--prompt", "--prompt-ids", "--no-chat", "--max-new-tokens",
-                 "--num-drafts", "--compute-width", "--target-only", "--dtype", "--device", "--json"]:
+                 "--num-drafts", "--compute-width", "--target-only", "--dtype", "--device", "--json",
+                 "--temperature", "--top-p", "--top-k", "--seed"]:
         assert flag in result.stdout
 
 
