@@ -804,9 +804,14 @@ def stop_token_ids(target, tokenizer) -> set[int]:
     return ids
 
 
-if __name__ == "__main__":
+def run_cli(main_fn, **kwargs):
+    """Run a CLI entry point: bad input ends with one line on stderr and exit code 2, no traceback."""
     try:
-        main()
+        main_fn(**kwargs)
     except DFlashError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -382,8 +382,4 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
 
 
 if __name__ == "__main__":
-    try:
-        dflash.main(generate_fn=generate)
-    except DFlashError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    dflash.run_cli(dflash.main, generate_fn=generate)

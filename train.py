@@ -906,8 +906,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DFlashError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    dflash.run_cli(main)
