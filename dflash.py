@@ -344,23 +344,39 @@ def crop_cache(cache, length: int):
         cache.crop(-remove)
 
 
+class Capture:
+    """Forward hooks on the captured target layers: each forward leaves the residual stream leaving
+    layer i (before the final norm) in `outputs[i]`. Remove the hooks when done."""
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.layer_ids, self.outputs = layer_ids, {}
+        layers = decoder_layers(target)
+        self.hooks = [layers[i].register_forward_hook(self.hook(i)) for i in layer_ids]
+
+    def hook(self, i):
+        def store(module, args, out):
+            self.outputs[i] = out[0] if isinstance(out, tuple) else out
+        return store
+
+    def features(self):
+        """(N, n·H): the captured layers side by side, in ascending id order."""
+        return torch.cat([self.outputs[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
+
+
 def target_forward(target, ids, start: int, cache, layer_ids: list[int]):
     """Run the target on ids at positions start.., appending to its cache, and capture the
-    outputs of `layer_ids` (the residual stream leaving each layer, before the final norm).
-    Returns logits (N, V) and features (N, n·H), from this one pass."""
-    captured = {}
-    layers = decoder_layers(target)
-    hooks = [layers[i].register_forward_hook(
-                 lambda mod, args, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-             for i in layer_ids]
+    outputs of `layer_ids`. Returns logits (N, V) and features (N, n·H), from this one pass."""
+    capture = Capture(target, layer_ids)
     positions = torch.arange(start, start + len(ids), device=ids.device)[None]   # (1, N)
     try:
         out = target(input_ids=ids[None], position_ids=positions, use_cache=True, **{cache_kwarg(target): cache})
     finally:
-        for hook in hooks:
-            hook.remove()
-    features = torch.cat([captured[i][0] for i in layer_ids], dim=-1) if layer_ids else None  # (N, n·H)
-    return out.logits[0], features                                                           # (N, V)
+        capture.remove()
+    return out.logits[0], capture.features()                                     # (N, V), (N, n·H)
 
 
 def cache_kwarg(target) -> str:
@@ -555,6 +571,18 @@ class Generation:
     position_accepted: list[int] = field(default_factory=list)   # [i]: rounds that accepted draft i+1
     position_drafted: list[int] = field(default_factory=list)    # [i]: rounds that proposed draft i+1
 
+    def commit(self, drafts: list[int], accepted: int, new_tokens: list[int], stops) -> list[int]:
+        """Record one round (its drafts, how many were accepted) and append its tokens, trimmed at
+        the first stop token written this round. Returns the tokens appended."""
+        self.acceptance_lengths.append(accepted + 1)
+        self.rounds.append({"draft": drafts, "accepted": accepted})
+        for i in range(len(drafts)):
+            self.position_drafted[i] += 1
+            self.position_accepted[i] += i < accepted
+        stop_at = next((i for i, token in enumerate(new_tokens) if token in stops), len(new_tokens) - 1)
+        self.tokens += new_tokens[:stop_at + 1]
+        return new_tokens[:stop_at + 1]
+
     @property
     def tau(self) -> float:
         """Mean tokens committed per verification round (bonus included)."""
@@ -632,18 +660,9 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
         if drafter is not None:
             append_context(drafter, ctx, project_context(drafter, features[:accepted + 1]))  # lags by one
         start += accepted + 1
-        bonus = new_tokens[-1]
 
-        out.acceptance_lengths.append(accepted + 1)
-        out.rounds.append({"draft": drafts.tolist(), "accepted": accepted})
-        for i in range(k):
-            out.position_drafted[i] += 1
-            out.position_accepted[i] += i < accepted
-        for i, token in enumerate(new_tokens):   # trim at the first stop token written this round
-            if token in stops:
-                new_tokens, bonus = new_tokens[:i + 1], token
-                break
-        out.tokens += new_tokens
+        new_tokens = out.commit(drafts.tolist(), accepted, new_tokens, stops)
+        bonus = new_tokens[-1]
         if on_tokens:
             on_tokens(new_tokens)
     return out

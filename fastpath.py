@@ -141,30 +141,7 @@ def propose(drafter: Drafter, buf: Buffers, block, target):
 # -----------------------------------------------------------------------------
 # Target verify with capture, acceptance on the device
 
-class Capture:
-    """Forward hooks on the captured target layers, registered once (not inside a compiled step):
-    each forward leaves the residual stream leaving layer i in `outputs[i]`."""
-
-    def __init__(self, target, layer_ids: list[int]):
-        self.layer_ids, self.outputs = layer_ids, {}
-        layers = dflash.decoder_layers(target)
-        self.hooks = [layers[i].register_forward_hook(self.hook(i)) for i in layer_ids]
-
-    def hook(self, i):
-        def store(module, args, out):
-            self.outputs[i] = out[0] if isinstance(out, tuple) else out
-        return store
-
-    def features(self):
-        """(N, n·H): the captured layers side by side, in ascending id order."""
-        return torch.cat([self.outputs[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
-
-    def remove(self):
-        for hook in self.hooks:
-            hook.remove()
-
-
-def target_forward(target, ids, positions, cache, capture: Capture):
+def target_forward(target, ids, positions, cache, capture: dflash.Capture):
     """dflash.target_forward at explicit device positions (N,), writing into the static cache."""
     out = target(input_ids=ids[None], position_ids=positions[None], use_cache=True,
                  **{dflash.cache_kwarg(target): cache})
@@ -201,7 +178,8 @@ class Decoder:
         self.target, self.drafter, self.capacity, self.K = target, drafter, capacity, num_drafts
         self.sampling = sampling
         self.device = target.get_input_embeddings().weight.device
-        self.capture_hooks = Capture(target, [] if drafter is None else drafter.config.target_layer_ids)
+        # Hooks registered once, not inside a compiled step.
+        self.capture_hooks = dflash.Capture(target, [] if drafter is None else drafter.config.target_layer_ids)
         dev, K = self.device, num_drafts
         ctx_shape = None
         if drafter is not None:
@@ -365,17 +343,8 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
         accepted = result[0]
         new_tokens, drafts = result[1:accepted + 2], result[K + 2:K + 2 + k]
 
-        out.acceptance_lengths.append(accepted + 1)
-        out.rounds.append({"draft": drafts, "accepted": accepted})
-        for i in range(k):
-            out.position_drafted[i] += 1
-            out.position_accepted[i] += i < accepted
-        for i, token in enumerate(new_tokens):   # trim at the first stop token written this round
-            if token in stops:
-                new_tokens = new_tokens[:i + 1]
-                break
+        new_tokens = out.commit(drafts, accepted, new_tokens, stops)
         bonus = new_tokens[-1]
-        out.tokens += new_tokens
         if on_tokens:
             on_tokens(new_tokens)
     return out
