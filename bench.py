@@ -200,7 +200,7 @@ def main():
         times, gen = round_times(fast, target, d, prompt, args.new_tokens)
         add(name + (" step" if d is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
             floor_step if d is not None else floor_ar, speculative=d is not None)
-    dec = next(iter(fastpath._decoders.values()))
+    dec = next(d for d in fastpath._decoders.values() if d.drafter is drafter)
     if dec.graphs:
         with torch.inference_mode():   # the buffers are inference tensors
             dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
@@ -210,7 +210,7 @@ def main():
         if args.profile:
             profile_step(dec)
     if "dflash-ref" not in skip:
-        times, gen = round_times(dflash.generate, target, drafter, prompt, 24)
+        times, gen = round_times(dflash.generate, target, drafter, prompt, 32)
         add("dflash-ref step", statistics.median(times[4:]) * 1e3, gen.tau, floor_step, speculative=True)
     if "hf-eager" not in skip:
         add("hf-eager", hf_generate_rate(target, prompt, 64), 1.0, floor_ar)

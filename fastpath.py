@@ -295,16 +295,18 @@ class Decoder:
 # Generation: the loop of dflash.generate, one host read per step
 
 _decoders: dict = {}
+LIVE_DECODERS = 4   # e.g. target-only and DFlash side by side, as an evaluation alternates them
 
 
 def decoder_for(target, drafter, capacity: int, K: int, full_block: bool, sampling) -> Decoder:
-    """Reuse the buffers and captured graphs of an earlier call with the same shapes and sampling."""
+    """Reuse the buffers and captured graphs of an earlier call with the same shapes and sampling;
+    the least recently used of more than LIVE_DECODERS is dropped, hooks and buffers with it."""
     key = (target, drafter, capacity, K, full_block, sampling)
     if key not in _decoders:
-        for old in _decoders.values():   # one live set of buffers and hooks at a time
-            old.capture_hooks.remove()
-        _decoders.clear()
+        while len(_decoders) >= LIVE_DECODERS:
+            _decoders.pop(next(iter(_decoders))).capture_hooks.remove()
         _decoders[key] = Decoder(target, drafter, capacity, K, full_block, sampling)
+    _decoders[key] = _decoders.pop(key)   # most recently used last
     return _decoders[key]
 
 

@@ -829,6 +829,23 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
     assert_same_tokens(fast.tokens, alone.tokens)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fastpath_sampling_on_cuda_with_graphs(checkpoints, tmp_path):
+    """At T > 0 with top-p/top-k, the graphed fastpath draws the same tokens as dflash.py on the
+    same device for the same seed (fp32), and a second seed gives another sample."""
+    target = dflash.load_target(str(checkpoints["qwen3"]), torch.float32, "cuda")
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6, layer_ids=(1, 3))),
+                                  target, torch.float32, "cuda")
+    prompt, sampling = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], dflash.Sampling(1.0, top_p=0.95, top_k=50)
+    fast = fastpath.generate(target, drafter, prompt, 40, sampling=sampling, seed=3)
+    assert next(d for d in fastpath._decoders.values() if d.sampling == sampling).graphs
+    ref = dflash.generate(target, drafter, prompt, 40, sampling=sampling, seed=3)
+    assert_same_tokens(fast.tokens, ref.tokens)
+    assert fast.acceptance_lengths == ref.acceptance_lengths
+    assert fastpath.generate(target, drafter, prompt, 40, sampling=sampling, seed=4).tokens != fast.tokens
+
+
 # -----------------------------------------------------------------------------
 # Sampling at T > 0: lossless rejection sampling in both files
 
@@ -1056,6 +1073,36 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
 
 # -----------------------------------------------------------------------------
 # Training end to end
+
+def test_batched_capture_equals_one_sequence_at_a_time(tiny):
+    """The padded batch pass gives each sequence's features at its real positions exactly as a pass
+    over that sequence alone (the context the drafter sees at inference)."""
+    _, target, sequences = tiny
+    blocks = train.make_blocks(sequences[:5], 2, 4, MASK)
+    layer_ids = [1, 2, 4]
+    features = train.capture_features(target, blocks, layer_ids, torch.float32)       # (Bt, N, n·H)
+    assert features.shape == (5, int(blocks.lengths.max()), 3 * H)
+    for b, seq in enumerate(sequences[:5]):
+        with torch.no_grad():
+            _, alone = dflash.target_forward(target, seq.ids, 0, dflash.new_target_cache(), layer_ids)
+        torch.testing.assert_close(features[b, :len(seq.ids)], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_time_budget_refits_the_schedule():
+    """At the measured pace the plan shrinks to what fits the budget, warm-up with it; a faster pace
+    later lets it grow back, never past the planned steps; a run over budget stops where it is."""
+    class Bar:
+        total = 1000
+    plan = {"planned": 1000, "total": 1000, "warmup": 40}
+    train.fit_to_budget(plan, 25, 5.0, train.TrainConfig(time_budget=60.0), Bar)
+    assert (plan["total"], plan["warmup"], Bar.total) == (300, 12, 300)  # 25 + 55 s at 0.2 s per step
+    train.fit_to_budget(plan, 100, 10.0, train.TrainConfig(time_budget=60.0), Bar)
+    assert (plan["total"], plan["warmup"]) == (600, 24)                   # 100 + 50 s at 0.1 s per step
+    train.fit_to_budget(plan, 100, 1.0, train.TrainConfig(time_budget=60.0), Bar)
+    assert plan["total"] == 1000                                          # the plan caps it
+    train.fit_to_budget(plan, 100, 70.0, train.TrainConfig(time_budget=60.0), Bar)
+    assert plan["total"] == 100                                           # over already: stop here
+
 
 def test_distill_batches_equal_single_greedy(tiny, monkeypatch):
     """Left-padded batched greedy answers equal each prompt's own greedy decode, even where the

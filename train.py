@@ -457,17 +457,16 @@ def packed_forward(drafter: Drafter, c, x, anchors):
 
 @torch.no_grad()
 def capture_features(target, blocks: Blocks, layer_ids: list[int], dtype):
-    """One target pass per sequence (frozen, no grad): captured features (Bt, N, n·H), zero-padded."""
+    """Captured features (Bt, N, n·H) of the frozen target, from one batched pass. The sequences
+    are right-padded and attention is causal, so padding never reaches a real position; the rows
+    past each length are never seen, as the packed mask stops at the anchor."""
     device = target.get_input_embeddings().weight.device
-    Bt, N = blocks.ids.shape
-    features = None
-    for b in range(Bt):
-        ids = blocks.ids[b, :blocks.lengths[b]].to(device)                            # (N_b,)
-        _, f = dflash.target_forward(target, ids, 0, dflash.new_target_cache(), layer_ids)   # (N_b, n·H)
-        if features is None:
-            features = torch.zeros(Bt, N, f.shape[-1], dtype=dtype, device=device)    # (Bt, N, n·H)
-        features[b, :len(ids)] = f.to(dtype)
-    return features
+    capture = dflash.Capture(target, layer_ids)
+    try:
+        target(input_ids=blocks.ids.to(device), use_cache=False, logits_to_keep=1)   # no (Bt, N, V) logits
+    finally:
+        capture.remove()
+    return torch.cat([capture.outputs[i] for i in layer_ids], dim=-1).to(dtype)      # (Bt, N, n·H)
 
 
 def draft_hidden(target, drafter: Drafter, blocks: Blocks, features):
@@ -545,6 +544,7 @@ class TrainConfig:
     gamma: float | None = None      # loss decay over block rows; None: default_gamma(block_size)
     eval_every: int = 100           # steps between held-out τ estimates (and at the end)
     max_steps: int | None = None    # stop early, e.g. for a quick run
+    time_budget: float | None = None  # seconds: the schedule is refitted to the measured step time
     seed: int = 0                   # sequence order and anchors
 
 
@@ -552,6 +552,23 @@ def lr_factor(step: int, total: int, warmup_steps: int) -> float:
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     return 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / max(total - warmup_steps, 1)))
+
+
+REFIT_AT = (25, 100, 400)   # steps at which the schedule is refitted to a time budget
+
+
+def fit_to_budget(plan: dict, step: int, elapsed: float, cfg: TrainConfig, bar):
+    """Refit the number of steps so that the run ends within cfg.time_budget at the pace measured
+    so far (held-out estimates included), never past the planned epochs or max_steps; the warm-up
+    and the cosine decay follow the new total."""
+    fits = step + int((cfg.time_budget - elapsed) * step / elapsed)
+    total = max(step, min(plan["planned"], fits))
+    if total != plan["total"]:
+        print(f"\ntime budget {cfg.time_budget:.0f}s at {elapsed / step:.3f}s per step: {total} steps "
+              f"instead of {plan['total']}", file=sys.stderr)
+        plan["total"] = total
+        plan["warmup"] = max(1, round(cfg.warmup * total))
+        bar.total = total
 
 
 def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Sequence], cfg: TrainConfig,
@@ -569,18 +586,19 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     drafter.train().requires_grad_(True)
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
     steps_per_epoch = math.ceil(len(sequences) / cfg.batch_size)
-    total = min(cfg.epochs * steps_per_epoch, cfg.max_steps or 10**12)
+    plan = {"planned": min(cfg.epochs * steps_per_epoch, cfg.max_steps or 10**12)}
+    plan["total"] = plan["planned"]
+    plan["warmup"] = max(1, round(cfg.warmup * plan["total"]))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    warmup_steps = max(1, round(cfg.warmup * total))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan["total"], plan["warmup"]))
     generator = torch.Generator().manual_seed(cfg.seed)
     dtype = next(drafter.parameters()).dtype
-    history, step, tau = [], 0, None
-    bar = tqdm(total=total, desc="train", unit="step", disable=not progress)
-    while step < total:
+    history, step, tau, t0 = [], 0, None, time.perf_counter()
+    bar = tqdm(total=plan["total"], desc="train", unit="step", disable=not progress)
+    while step < plan["total"]:
         order = torch.randperm(len(sequences), generator=generator).tolist()   # new order and anchors each epoch
         for i in range(0, len(order), cfg.batch_size):
-            if step == total:
+            if step >= plan["total"]:
                 break
             batch = [sequences[j] for j in order[i:i + cfg.batch_size]]
             blocks = make_blocks(batch, cfg.anchors, B, drafter.config.mask_token_id, generator)
@@ -594,12 +612,14 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
             schedule.step()
             step += 1
             entry = {"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]}
-            if heldout and (step % cfg.eval_every == 0 or step == total):
+            if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
                 drafter.eval()
                 tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=cfg.batch_size)
                 drafter.train()
                 entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
             history.append(entry)
+            if cfg.time_budget and step in REFIT_AT:
+                fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar)
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", tau="-" if tau is None else f"{tau:.2f}")
     bar.close()
@@ -617,11 +637,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
-             stop_ids=(), progress: bool = True) -> dict:
-    """Greedy DFlash against the target alone on each prompt, through `generate_fn` (dflash.generate,
-    or any function with its signature and Generation result). The first prompt runs once untimed
+             stop_ids=(), progress: bool = True, sampling: dflash.Sampling = dflash.Sampling(),
+             seed: int = 0) -> dict:
+    """DFlash against the target alone on each prompt, through `generate_fn` (dflash.generate, or
+    any function with its signature and Generation result). The first prompt runs once untimed
     as warm-up (compilation, allocator). τ is pooled over every round of every prompt; speedup is
-    the total time of the target alone (generate_fn with no drafter) over the total DFlash time."""
+    the total time of the target alone (generate_fn with no drafter) over the total DFlash time.
+    Greedy runs must match the target alone token for token ("lossless"); sampled runs draw other
+    random numbers than the target alone, so there "lossless" is None (tests check the law)."""
     from tqdm import tqdm
     device = target.get_input_embeddings().weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -629,7 +652,7 @@ def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], ma
     def timed(d, ids):
         sync()
         t0 = time.perf_counter()
-        gen = generate_fn(target, d, ids, max_new_tokens, stop_ids=stop_ids)
+        gen = generate_fn(target, d, ids, max_new_tokens, stop_ids=stop_ids, sampling=sampling, seed=seed)
         sync()
         return gen, time.perf_counter() - t0
 
@@ -652,14 +675,15 @@ def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], ma
         per_prompt.append({"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "tau": gen.tau,
                            "target_s": seconds_ref, "dflash_s": seconds,
                            "first_mismatch": first_difference(gen.tokens, reference.tokens)})
-    mismatches = [i for i, p in enumerate(per_prompt) if p["first_mismatch"] is not None]
+    greedy = sampling.temperature == 0
+    mismatches = [i for i, p in enumerate(per_prompt) if p["first_mismatch"] is not None] if greedy else []
     new_tokens = sum(p["new_tokens"] for p in per_prompt)
     return {"prompts": len(prompts), "block_size": drafter.config.block_size, "max_new_tokens": max_new_tokens,
             "tau": sum(lengths) / max(len(lengths), 1),
             "acceptance": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
             "target_seconds": t_target, "dflash_seconds": t_dflash, "speedup": t_target / t_dflash,
             "target_tokens_per_s": target_tokens / t_target,
-            "dflash_tokens_per_s": new_tokens / t_dflash, "lossless": not mismatches,
+            "dflash_tokens_per_s": new_tokens / t_dflash, "lossless": not mismatches if greedy else None,
             "mismatched_prompts": mismatches, "per_prompt": per_prompt}
 
 
@@ -792,7 +816,8 @@ def cmd_train(args):
           f"{split} training sequences, {args.heldout} held out", file=sys.stderr)
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
-                      eval_every=args.eval_every, max_steps=args.max_steps, seed=args.seed)
+                      eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
+                      seed=args.seed)
     t0 = time.perf_counter()
     history = train(target, drafter, sequences[:split], sequences[split:], cfg)
     seconds = time.perf_counter() - t0
@@ -810,27 +835,34 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
+    import functools
     import importlib
     device, dtype = device_and_dtype(args)
+    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
     target, tokenizer = load_target_and_tokenizer(args.target, dtype, device)
     drafter = dflash.load_drafter(args.draft, target, dtype, device)
-    generate_fn = importlib.import_module(args.impl).generate
     stops = dflash.stop_token_ids(target, tokenizer)
-    results = {}
-    for name in args.datasets:
-        prompts = [encode_chat(tokenizer, text) for text in EVAL_DATASETS[name]()[:args.limit]]
-        r = evaluate(generate_fn, target, drafter, prompts, args.max_new_tokens, stops)
-        results[name] = r
-        print(f"{name}: {r['prompts']} prompts, τ {r['tau']:.2f}, speedup {r['speedup']:.2f}x "
-              f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), "
-              + ("lossless" if r["lossless"] else f"MISMATCH on prompts {r['mismatched_prompts']}"), file=sys.stderr)
+    prompts = {name: [encode_chat(tokenizer, text) for text in EVAL_DATASETS[name]()[:args.limit]]
+               for name in args.datasets}
+    generate_fn = importlib.import_module(args.impl).generate
+    if args.impl == "fastpath":   # one buffer size for every prompt: one compile, not one per length
+        longest = max(len(ids) for batch in prompts.values() for ids in batch)
+        needed = longest + args.max_new_tokens + drafter.config.block_size - 1
+        generate_fn = functools.partial(generate_fn, capacity=-(-needed // 256) * 256)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
     report = {"target": args.target, "draft": args.draft, "impl": args.impl, "device": hardware,
-              "dtype": str(dtype).removeprefix("torch."), "temperature": 0, "datasets": results}
-    (out / "eval.json").write_text(json.dumps(report, indent=1))
-    plotted = plot_eval(results, out / "eval.png")
+              "dtype": str(dtype).removeprefix("torch."), "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "datasets": {}}
+    for name, batch in prompts.items():
+        r = evaluate(generate_fn, target, drafter, batch, args.max_new_tokens, stops, sampling=sampling, seed=args.seed)
+        report["datasets"][name] = r
+        verdict = {True: "lossless", None: "sampled"}.get(r["lossless"], f"MISMATCH on prompts {r['mismatched_prompts']}")
+        print(f"{name}: {r['prompts']} prompts, τ {r['tau']:.2f}, speedup {r['speedup']:.2f}x "
+              f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), {verdict}", file=sys.stderr)
+        (out / "eval.json").write_text(json.dumps(report, indent=1))   # after each dataset: a cut run keeps them
+    plotted = plot_eval(report["datasets"], out / "eval.png")
     print(f"-> {out / 'eval.json'}" + (f", {out / 'eval.png'}" if plotted else " (no matplotlib: no plot)"),
           file=sys.stderr)
 
@@ -868,6 +900,7 @@ def parse_args(argv=None):
     s.add_argument("--mask-token-id", type=int, help="m (default: a spare embedding row or unused added token)")
     s.add_argument("--epochs", type=int, default=1)
     s.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    s.add_argument("--time-budget", type=float, help="seconds of training: fewer steps if the measured pace needs it")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per step (one packed forward)")
     s.add_argument("--anchors", type=int, default=32, help="blocks per sequence, re-sampled each epoch")
     s.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
@@ -890,6 +923,10 @@ def parse_args(argv=None):
     s.add_argument("--limit", type=int, help="first N prompts of each dataset")
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--impl", default="dflash", choices=["dflash", "fastpath"], help="module whose generate runs")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (both runs of a prompt)")
     s.add_argument("--out", required=True, help="dir for eval.json and eval.png")
     s.add_argument("--device", help="default cuda if available, else cpu")
     s.add_argument("--dtype", choices=list(dflash.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
