@@ -4,6 +4,7 @@ Headline: greedy DFlash output is token-identical to the target's own greedy dec
 (HF `generate(do_sample=False)`), whatever the drafter, block size or K.
 Targets run in float64 with a peaked LM head so that no near-tie can make the oracle ambiguous.
 """
+import functools
 import json
 import math
 import os
@@ -1242,6 +1243,13 @@ def test_evaluate_reports_acceptance_and_catches_a_lossy_generate(tiny, tmp_path
         if drafter_ is not None and ids == prompts[1]:
             gen.tokens[5] = (gen.tokens[5] + 1) % VOCAB
         return gen
+
+    short = train.evaluate(functools.partial(dflash.generate, num_drafts=2), target, drafter, prompts, 12,
+                           progress=False)
+    assert short["num_drafts"] == 2 and len(short["acceptance"]) == 2 and short["lossless"]
+    sampled = train.evaluate(dflash.generate, target, drafter, prompts, 12, progress=False,
+                             sampling=dflash.Sampling(1.0), seed=1)
+    assert sampled["lossless"] is None and sampled["mismatched_prompts"] == []   # other draws than target alone
 
     bad = train.evaluate(lossy, target, drafter, prompts, 12, progress=False)
     assert not bad["lossless"] and bad["mismatched_prompts"] == [1]

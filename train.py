@@ -661,8 +661,7 @@ def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], ma
     if not prompts:
         raise DFlashError("evaluate: no prompts")
     timed(None, prompts[0])      # warm-up, untimed
-    timed(drafter, prompts[0])
-    K = drafter.config.block_size - 1
+    K = len(timed(drafter, prompts[0])[0].position_drafted)   # drafts per round: block_size - 1 unless set
     accepted, drafted, lengths, per_prompt = [0] * K, [0] * K, [], []
     t_target, t_dflash, target_tokens = 0.0, 0.0, 0
     for ids in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
@@ -680,7 +679,8 @@ def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], ma
     greedy = sampling.temperature == 0
     mismatches = [i for i, p in enumerate(per_prompt) if p["first_mismatch"] is not None] if greedy else []
     new_tokens = sum(p["new_tokens"] for p in per_prompt)
-    return {"prompts": len(prompts), "block_size": drafter.config.block_size, "max_new_tokens": max_new_tokens,
+    return {"prompts": len(prompts), "block_size": drafter.config.block_size, "num_drafts": K,
+            "max_new_tokens": max_new_tokens,
             "tau": sum(lengths) / max(len(lengths), 1),
             "acceptance": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
             "target_seconds": t_target, "dflash_seconds": t_dflash, "speedup": t_target / t_dflash,
@@ -709,8 +709,9 @@ def plot_eval(results: dict[str, dict], path: Path) -> bool:
     right.bar(x - 0.2, [results[n]["tau"] for n in names], width=0.4, label="τ (tokens / round)")
     right.bar(x + 0.2, [results[n]["speedup"] for n in names], width=0.4, label="speedup vs target alone")
     right.set_xticks(x.tolist(), names)
-    right.set(title="τ and wall-clock speedup")
-    right.legend()
+    top = max(max(results[n]["tau"], results[n]["speedup"]) for n in names)
+    right.set(title="τ and wall-clock speedup", ylim=(0, 1.3 * top))   # headroom for the legend
+    right.legend(loc="upper center", ncols=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -852,6 +853,8 @@ def cmd_eval(args):
     prompts = {name: [encode_chat(tokenizer, text) for text in EVAL_DATASETS[name]()[:args.limit]]
                for name in args.datasets}
     generate_fn = importlib.import_module(args.impl).generate
+    if args.num_drafts is not None:
+        generate_fn = functools.partial(generate_fn, num_drafts=args.num_drafts)
     if args.impl == "fastpath":   # one buffer size for every prompt: one compile, not one per length
         longest = max(len(ids) for batch in prompts.values() for ids in batch)
         needed = longest + args.max_new_tokens + drafter.config.block_size - 1
@@ -861,7 +864,8 @@ def cmd_eval(args):
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
     report = {"target": args.target, "draft": args.draft, "impl": args.impl, "device": hardware,
               "dtype": str(dtype).removeprefix("torch."), "temperature": args.temperature, "top_p": args.top_p,
-              "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "datasets": {}}
+              "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+              "num_drafts": args.num_drafts or drafter.config.block_size - 1, "datasets": {}}
     for name, batch in prompts.items():
         r = evaluate(generate_fn, target, drafter, batch, args.max_new_tokens, stops, sampling=sampling, seed=args.seed)
         report["datasets"][name] = r
@@ -935,6 +939,7 @@ def parse_args(argv=None):
     s.add_argument("--limit", type=int, help="first N prompts of each dataset")
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--impl", default="dflash", choices=["dflash", "fastpath"], help="module whose generate runs")
+    s.add_argument("--num-drafts", type=int, help="drafts K per round (default block_size - 1)")
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
