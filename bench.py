@@ -190,7 +190,7 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(dict(conditions=conditions, rows=rows, errors=errors), f, indent=2)
 
-    capacity = -(-(args.prompt_len + args.new_tokens + K) // 256) * 256
+    capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     fast = lambda *a, **kw: fastpath.generate(*a, capacity=capacity, **kw)
     for name, d in (("fast-ar", None), ("fast-dflash", drafter)):
         t0 = time.perf_counter()

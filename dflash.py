@@ -669,7 +669,7 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
 
 
 # -----------------------------------------------------------------------------
-# Demo pair: a tiny random target and drafter, until real weights are embedded
+# The default pair: the real SmolLM2 target and the drafter trained for it
 
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafter" / "SmolLM2-135M-Instruct-DFlash-b16"
 

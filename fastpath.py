@@ -317,6 +317,12 @@ def decoder_for(target, drafter, capacity: int, K: int, full_block: bool, sampli
     return _decoders[key]
 
 
+def capacity_for(prompt_len: int, max_new_tokens: int, K: int) -> int:
+    """Buffer positions a request needs (the last step verifies K+1 rows from P+max_new-2), rounded
+    up to a multiple of 256 so that similar requests share buffers and captured graphs."""
+    return -(-(prompt_len + max_new_tokens + K) // 256) * 256
+
+
 @torch.inference_mode()
 def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num_drafts: int | None = None,
              full_block: bool = True, stop_ids=(), on_tokens=None, sampling: dflash.Sampling = dflash.Sampling(),
@@ -326,9 +332,8 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     past a given capacity is refused before anything is written."""
     K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
     dflash.check_request(target, drafter, prompt_ids, max_new_tokens, K)
-    needed = len(prompt_ids) + max_new_tokens + K   # the last step verifies K+1 rows from P+max_new-2
-    capacity = capacity or -(-needed // 256) * 256   # round up, so that similar requests share buffers
-    if needed > capacity:
+    capacity = capacity or capacity_for(len(prompt_ids), max_new_tokens, K)
+    if len(prompt_ids) + max_new_tokens + K > capacity:
         raise DFlashError(f"prompt + max_new_tokens + K = {len(prompt_ids)} + {max_new_tokens} + {K} exceeds "
                           f"the buffer capacity {capacity}")
     dec = decoder_for(target, drafter, capacity, K, full_block, sampling)

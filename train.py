@@ -184,9 +184,7 @@ def encode_chat(tokenizer, text: str) -> list[int]:
     """One user message through the chat template, ready for the assistant's answer, no thinking."""
     if not tokenizer.chat_template:
         raise DFlashError("tokenizer: no chat template (self-distillation needs the chat format)")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                           add_generation_prompt=True, enable_thinking=False)
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    return dflash.encode_prompt(tokenizer, text, chat=True)
 
 
 # -----------------------------------------------------------------------------
@@ -857,8 +855,9 @@ def cmd_eval(args):
         generate_fn = functools.partial(generate_fn, num_drafts=args.num_drafts)
     if args.impl == "fastpath":   # one buffer size for every prompt: one compile, not one per length
         longest = max(len(ids) for batch in prompts.values() for ids in batch)
-        needed = longest + args.max_new_tokens + drafter.config.block_size - 1
-        generate_fn = functools.partial(generate_fn, capacity=-(-needed // 256) * 256)
+        capacity = importlib.import_module("fastpath").capacity_for(longest, args.max_new_tokens,
+                                                                    drafter.config.block_size - 1)
+        generate_fn = functools.partial(generate_fn, capacity=capacity)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
