@@ -158,7 +158,8 @@ def read_sharegpt(path: Path | None = None, all_turns: bool = False) -> list[str
             later += user[1:]
     prompts = list(dict.fromkeys(p for p in firsts if p))            # deduplicated, first occurrence kept
     if all_turns:
-        prompts += [p for p in dict.fromkeys(later) if p and p not in set(prompts)]
+        listed = set(prompts)
+        prompts += [p for p in dict.fromkeys(later) if p and p not in listed]
     return prompts
 
 
@@ -515,7 +516,7 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
     for i in range(0, len(sequences), batch_size):
         batch = sequences[i:i + batch_size]
         features = None
-        anchors = [list(range(s.prompt_len, len(s.ids) - B + 1)) for s in batch]    # every full-block anchor
+        anchors = [choose_anchors(s, len(s.ids), B, None, full_only=True) for s in batch]   # every full-block anchor
         accepted_at = [{} for _ in batch]                                             # anchor -> drafts accepted
         for j in range(0, max(map(len, anchors), default=0), anchors_per_pass):
             chunk = [a[j:j + anchors_per_pass] for a in anchors]
@@ -882,13 +883,11 @@ def cmd_eval(args):
     stops = dflash.stop_token_ids(target, tokenizer)
     prompts = {name: [encode_chat(tokenizer, text) for text in EVAL_DATASETS[name]()[:args.limit]]
                for name in args.datasets}
-    generate_fn = importlib.import_module(args.impl).generate
-    if args.num_drafts is not None:
-        generate_fn = functools.partial(generate_fn, num_drafts=args.num_drafts)
+    K = drafter.config.block_size - 1 if args.num_drafts is None else args.num_drafts
+    generate_fn = functools.partial(importlib.import_module(args.impl).generate, num_drafts=K)
     if args.impl == "fastpath":   # one buffer size for every prompt: one compile, not one per length
         longest = max(len(ids) for batch in prompts.values() for ids in batch)
-        capacity = importlib.import_module("fastpath").capacity_for(longest, args.max_new_tokens,
-                                                                    drafter.config.block_size - 1)
+        capacity = importlib.import_module("fastpath").capacity_for(longest, args.max_new_tokens, K)
         generate_fn = functools.partial(generate_fn, capacity=capacity)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -896,7 +895,7 @@ def cmd_eval(args):
     report = {"target": args.target, "draft": args.draft, "impl": args.impl, "device": hardware,
               "dtype": str(dtype).removeprefix("torch."), "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-              "num_drafts": args.num_drafts or drafter.config.block_size - 1, "datasets": {}}
+              "num_drafts": K, "datasets": {}}
     for name, batch in prompts.items():
         r = evaluate(generate_fn, target, drafter, batch, args.max_new_tokens, stops, sampling=sampling, seed=args.seed)
         report["datasets"][name] = r
