@@ -5,8 +5,13 @@ The same math as `dflash.py`, token for token, arranged for a GPU. What differs:
     and the token/position counters are allocated once, sized by `capacity`;
   - fixed shapes: every step drafts a full block and verifies K+1 tokens; acceptance is applied
     by device-side counters (the next step simply overwrites rejected rows, which masks hide);
-  - folded weights: each drafter layer's context K/V projections are stacked into one matrix,
-    and for Laguna the input norm's weight is folded into it (one shared 1/rms, in fp32);
+  - fused weights: projections that read the same input are one matmul ([q;k;v], [gate;up]);
+    the modules' own weights become views into the fused matrix, so nothing is stored twice;
+    each drafter layer's context K/V projections are stacked into one matrix, and for Laguna the
+    input norm's weight is folded into it (one shared 1/rms, in fp32);
+  - dense Llama/Qwen3 targets run their layers here, over a static K/V buffer, with attention as
+    a masked softmax that the compiler fuses (grouped heads share K/V, nothing is repeated); any
+    other target (Laguna's MoE, sliding windows, biases) runs its own forward over a static cache;
   - compiled, graphed step: on CUDA the draft block, and the target verify with capture, accept
     and context append, are each compiled with torch.compile and captured as a CUDA graph;
   - one host sync per step: reading the accepted tokens.
@@ -14,7 +19,8 @@ On CPU the same code runs eagerly, without graphs, so the reference-equality tes
 
     $ python fastpath.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
 
-Shape legend as in dflash.py, plus C the buffer capacity in positions.
+Shape legend as in dflash.py, plus C the buffer capacity in positions and g = h / hk the query
+heads per K/V head.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import dflash
 from dflash import DFlashError, Drafter, Generation, project_context, rope
@@ -38,61 +45,91 @@ class Buffers:
     uniforms: torch.Tensor       # (K+1,)      float64 uniforms of this step's sampling, drawn outside graphs
     verify_ids: torch.Tensor     # (K+1,)      [bonus, d_1..d_K], the verify input
     result: torch.Tensor         # (2K+2,)     [a, d_1..d_a, t_a, padding (K+1 in all), d_1..d_K]
-    target_cache: object         # HF Cache of T full-length static layers, (1, hk_t, C, d_t) each
-    ctx_keys: torch.Tensor | None    # (L, hk, C, d)  drafter context keys after k_norm and RoPE
-    ctx_values: torch.Tensor | None  # (L, hk, C, d)  drafter context values
-
-
-def new_target_cache(target, capacity: int):
-    """A static cache with every layer full-length, so that rolling back is only moving a counter;
-    sliding layers still get their window from the model's own mask."""
-    from transformers.cache_utils import Cache, StaticLayer
-    num_layers = target.config.get_text_config().num_hidden_layers
-    return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
-
-
-def set_cache_length(cache, length):
-    """Point every static layer's write position at `length` (a device scalar): no sync."""
-    for layer in cache.layers:
-        layer.cumulative_length.copy_(length)
+    # One tensor per layer, not one (L, …) tensor: a compiled in-place write into a slice of a larger
+    # buffer is lowered to a copy of the whole buffer, per layer.
+    ctx_keys: list[torch.Tensor]     # L × (hk, C, d)  drafter context keys after k_norm and RoPE
+    ctx_values: list[torch.Tensor]   # L × (hk, C, d)  drafter context values
 
 
 # -----------------------------------------------------------------------------
-# Drafter: context K/V folded into one matrix per layer
+# Shared pieces: fused projections, attention over a static buffer
+
+def fused_weight(linears: list[nn.Linear]) -> torch.Tensor:
+    """One (ΣN, H) matrix for bias-free linears that read the same input, so that they cost one
+    matmul. Each linear's weight is re-pointed (`.data`, the same Parameter) at its rows of that
+    matrix, so no weight is stored twice; once fused, the weights sit back to back in one storage
+    and a later call views them as the matrix again."""
+    weights = [m.weight for m in linears]
+    first, rows = weights[0], sum(w.shape[0] for w in weights)
+    back_to_back = all(w.is_contiguous() and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                       for w in weights) and \
+        all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(weights, weights[1:]))
+    if back_to_back:
+        return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
+    with torch.inference_mode(False), torch.no_grad():   # ordinary tensors: the model may be trained later
+        fused = torch.cat([w.detach() for w in weights])                                # (ΣN, H)
+        offset = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = fused[offset:offset + n]
+            offset += n
+    return fused
+
+
+def attend(q, keys, values, mask, scale: float):
+    """Masked softmax attention of q (N, h, d) over keys/values (hk, S, d), mask (N, S) -> (N, h·d).
+    The g query heads of each K/V head are stacked as rows, so K/V are read once and never repeated.
+    As transformers' eager attention: scores in the working dtype, softmax in fp32. Compiled, this is
+    two matmuls and one fused softmax kernel, for any S."""
+    N, h, d = q.shape
+    hk, S, g = keys.shape[0], keys.shape[1], h // keys.shape[0]
+    q = q.view(N, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * N, d)                 # (hk, g·N, d)
+    scores = (q @ keys.transpose(1, 2)) * scale                                        # (hk, g·N, S)
+    scores = scores.view(hk, g, N, S).masked_fill(~mask, float("-inf"))                # (hk, g, N, S)
+    p = scores.softmax(-1, dtype=torch.float32).to(values.dtype).view(hk, g * N, S)
+    o = p @ values                                                                      # (hk, g·N, d)
+    return o.view(hk, g, N, d).permute(2, 0, 1, 3).reshape(N, h * d)                   # (N, h·d)
+
+
+# -----------------------------------------------------------------------------
+# Drafter: fused block projections, context K/V folded into one matrix per layer
 
 @dataclass
-class FoldedContext:
-    weight: torch.Tensor         # (L·2·hk·d, H)  [k rows; v rows] per layer, Laguna norm folded in
-    laguna: bool                 # apply the shared 1/rms of c before the folded projection
+class FusedDrafter:
+    module: Drafter
+    qkv: list[torch.Tensor]      # per layer (h·d + 2·hk·d, H)  [q; k; v]
+    gate_up: list[torch.Tensor]  # per layer (2·I, H)           [gate; up]
+    context_kv: torch.Tensor     # (L·2·hk·d, H)  [k rows; v rows] per layer, Laguna input norm folded in
 
 
-def fold_context_weights(drafter: Drafter) -> FoldedContext:
-    """Stack each layer's k/v projection rows; for Laguna scale columns by the input-norm weight
-    so that W·(w ⊙ c/rms(c)) = (W·diag(w))·(c/rms(c))."""
+def fuse_drafter(drafter: Drafter) -> FusedDrafter:
+    """Fuse [q;k;v] and [gate;up] per layer, and stack every layer's context k/v rows; for Laguna
+    scale those columns by the input-norm weight, so that W·(w ⊙ c/rms(c)) = (W·diag(w))·(c/rms(c))."""
     cfg, rows = drafter.config, []
-    kv = cfg.num_kv_heads * cfg.head_dim
+    hd, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv, gate_up = [], []
     for layer in drafter.layers:
         attn = layer.self_attn
-        if cfg.laguna:
-            w_kv = attn.qkv_proj.weight[cfg.num_heads * cfg.head_dim:]                 # (2·hk·d, H)
-            rows.append(w_kv * layer.input_layernorm.weight[None])
-        else:
-            rows.append(torch.cat([attn.k_proj.weight, attn.v_proj.weight]))          # (2·hk·d, H)
+        w = attn.qkv_proj.weight if cfg.laguna else fused_weight([attn.q_proj, attn.k_proj, attn.v_proj])
+        qkv.append(w)                                                                   # (hd + 2·kv, H)
+        gate_up.append(fused_weight([layer.mlp.gate_proj, layer.mlp.up_proj]))          # (2·I, H)
+        with torch.inference_mode(False), torch.no_grad():
+            rows.append(w[hd:] * layer.input_layernorm.weight[None] if cfg.laguna else w[hd:])
     assert all(r.shape[0] == 2 * kv for r in rows)
-    return FoldedContext(torch.cat(rows), cfg.laguna)
+    return FusedDrafter(drafter, qkv, gate_up, torch.cat(rows))
 
 
-def append_context(drafter: Drafter, folded: FoldedContext, buf: Buffers, c, positions):
+def append_context(drafter: FusedDrafter, buf: Buffers, c, positions):
     """KV injection into the static buffers: context rows c (N, H) at `positions` (N,) for all
     layers with one matmul. Rows past the accepted ones are written too; masks hide them and the
     next step overwrites them."""
-    cfg = drafter.config
+    cfg = drafter.module.config
     L, hk, d, N = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(c)
-    if folded.laguna:
+    if cfg.laguna:
         cf = c.to(torch.promote_types(c.dtype, torch.float32))
         c = (cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(c.dtype)
-    kv = (c @ folded.weight.T).view(N, L, 2, hk, d)                                    # (N, L, 2, hk, d)
-    for l, layer in enumerate(drafter.layers):
+    kv = (c @ drafter.context_kv.T).view(N, L, 2, hk, d)                               # (N, L, 2, hk, d)
+    for l, layer in enumerate(drafter.module.layers):
         k = rope(layer.self_attn.k_norm(kv[:, l, 0]), positions, cfg.rope_thetas[l])   # (N, hk, d)
         buf.ctx_keys[l].index_copy_(1, positions, k.transpose(0, 1))
         buf.ctx_values[l].index_copy_(1, positions, kv[:, l, 1].transpose(0, 1))
@@ -104,49 +141,129 @@ def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
     return torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device) if mask is None else mask
 
 
-def draft_block(drafter: Drafter, buf: Buffers, block_embeds):
+def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
     """dflash.draft_block over the static context: keys are all C buffer rows plus the block, and
     context rows at positions ≥ start (not yet committed) are masked out."""
-    cfg, W, C = drafter.config, len(block_embeds), buf.ctx_keys.shape[2]
+    cfg, W, C = drafter.module.config, len(block_embeds), buf.ctx_keys[0].shape[1]
+    h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     device = block_embeds.device
     positions = buf.start + torch.arange(W, device=device)                             # (W,)
     key_positions = torch.cat([torch.arange(C, device=device), positions])             # (C+W,)
     committed = torch.cat([torch.arange(C, device=device) < buf.start,
                            torch.ones(W, dtype=torch.bool, device=device)])             # (C+W,)
     x = block_embeds                                                                    # (W, H)
-    for l, layer in enumerate(drafter.layers):
+    for l, layer in enumerate(drafter.module.layers):
         attn, theta = layer.self_attn, cfg.rope_thetas[l]
         u = layer.input_layernorm(x)                                                    # (W, H)
-        q, k, v = attn.qkv(u)                                                           # (W, h|hk, d)
-        q = rope(attn.q_norm(q), positions, theta).transpose(0, 1)                      # (h, W, d)
-        k = rope(attn.k_norm(k), positions, theta).transpose(0, 1)                      # (hk, W, d)
+        q, k, v = (u @ drafter.qkv[l].T).split([h * d, hk * d, hk * d], dim=-1)
+        q = rope(attn.q_norm(q.view(W, h, d)), positions, theta)                        # (W, h, d)
+        k = rope(attn.k_norm(k.view(W, hk, d)), positions, theta).transpose(0, 1)       # (hk, W, d)
         keys = torch.cat([buf.ctx_keys[l], k], dim=1)                                   # (hk, C+W, d)
-        values = torch.cat([buf.ctx_values[l], v.transpose(0, 1)], dim=1)               # (hk, C+W, d)
+        values = torch.cat([buf.ctx_values[l], v.view(W, hk, d).transpose(0, 1)], dim=1)  # (hk, C+W, d)
         mask = attention_mask(positions, key_positions, cfg.is_causal(l), cfg.window(l)) & committed
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (h, W, d)
-        o = o.transpose(0, 1)                                                           # (W, h, d)
+        o = attend(q, keys, values, mask, d ** -0.5).view(W, h, d)                     # (W, h, d)
         if cfg.laguna:
             o = dflash.gate(attn, u, o)
         x = x + attn.o_proj(o.reshape(W, -1))                                           # (W, H)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x)                                                              # (W, H)
+        gate, up = (layer.post_attention_layernorm(x) @ drafter.gate_up[l].T).chunk(2, dim=-1)
+        x = x + layer.mlp.down_proj(F.silu(gate) * up)                                  # (W, H)
+    return drafter.module.norm(x)                                                       # (W, H)
 
 
-def propose(drafter: Drafter, buf: Buffers, block, target):
+def propose(drafter: FusedDrafter, buf: Buffers, block, target):
     """Greedy drafts for block ids (W,): rows 1..W-1 through the target's LM head."""
     hidden = draft_block(drafter, buf, target.get_input_embeddings()(block))           # (W, H)
     return target.get_output_embeddings()(hidden[1:]).argmax(-1)                       # (W-1,)
 
 
 # -----------------------------------------------------------------------------
-# Target verify with capture, acceptance on the device
+# Target: forward with capture at explicit device positions, into static K/V
 
-def target_forward(target, ids, positions, cache, capture: dflash.Capture):
-    """dflash.target_forward at explicit device positions (N,), writing into the static cache."""
-    out = target(input_ids=ids[None], position_ids=positions[None], use_cache=True,
-                 **{dflash.cache_kwarg(target): cache})
-    return out.logits[0], capture.features()                                          # (N, V), (N, n·H)
+class DenseTarget:
+    """A Llama/Qwen3 decoder stack run here: one [q;k;v] and one [gate;up] matmul per layer, K/V in
+    static (T, hk, C, d) buffers, attention by `attend`. Embedding, norms, rotary embedding, o/down
+    projections and LM head are the model's own modules, so the math is the model's."""
 
+    @staticmethod
+    def supports(target) -> bool:
+        cfg = target.config
+        return (cfg.model_type in ("llama", "qwen3") and cfg.hidden_act == "silu"
+                and not getattr(cfg, "attention_bias", False) and not getattr(cfg, "mlp_bias", False)
+                and getattr(cfg, "pretraining_tp", 1) == 1
+                and all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or []))
+
+    def __init__(self, target, layer_ids: list[int], capacity: int):
+        self.target, self.layer_ids = target, layer_ids
+        self.layers = dflash.decoder_layers(target)
+        self.qkv = [fused_weight([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.gate_up = [fused_weight([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        attn, w = self.layers[0].self_attn, self.qkv[0]
+        self.head_dim, self.num_kv_heads = attn.head_dim, target.config.num_key_value_heads
+        shape = (self.num_kv_heads, capacity, self.head_dim)   # per layer: see Buffers
+        self.keys = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers]    # T × (hk, C, d)
+        self.values = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers]  # T × (hk, C, d)
+        self.key_positions = torch.arange(capacity, device=w.device)                    # (C,)
+
+    def forward(self, ids, positions):
+        """ids (N,) at positions (N,) -> logits (N, V), captured features (N, n·H)."""
+        model, N, d, hk = self.target.model, len(ids), self.head_dim, self.num_kv_heads
+        x = model.embed_tokens(ids)                                                     # (N, H)
+        cos, sin = (t[0, :, None] for t in model.rotary_emb(x[None], positions[None]))  # (N, 1, d)
+        rotate = lambda t: t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
+        mask = self.key_positions[None] <= positions[:, None]                           # (N, C) causal
+        captured = {}
+        for l, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = (layer.input_layernorm(x) @ self.qkv[l].T).split(
+                [self.qkv[l].shape[0] - 2 * hk * d, hk * d, hk * d], dim=-1)
+            q, k, v = q.view(N, -1, d), k.view(N, hk, d), v.view(N, hk, d)
+            if hasattr(attn, "q_norm"):   # Qwen3 normalises q and k per head before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            self.keys[l].index_copy_(1, positions, rotate(k).transpose(0, 1))
+            self.values[l].index_copy_(1, positions, v.transpose(0, 1))
+            x = x + attn.o_proj(attend(rotate(q), self.keys[l], self.values[l], mask, attn.scaling))
+            gate, up = (layer.post_attention_layernorm(x) @ self.gate_up[l].T).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                    # (N, H)
+            captured[l] = x
+        features = torch.cat([captured[i] for i in self.layer_ids], -1) if self.layer_ids else None
+        return self.target.lm_head(model.norm(x)), features                             # (N, V), (N, n·H)
+
+    def state_tensors(self):
+        return self.keys + self.values
+
+    def close(self):
+        pass
+
+
+class ModelTarget:
+    """Any other target (Laguna's MoE, sliding windows, biases) through its own forward, over a
+    static cache whose layers are all full length, so that rolling back is only moving a counter;
+    sliding layers still get their window from the model's own mask."""
+
+    def __init__(self, target, layer_ids: list[int], capacity: int):
+        from transformers.cache_utils import Cache, StaticLayer
+        self.target = target
+        num_layers = target.config.get_text_config().num_hidden_layers
+        self.cache = Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
+        self.capture = dflash.Capture(target, layer_ids)   # hooks registered once, not inside a compiled step
+
+    def forward(self, ids, positions):
+        """dflash.target_forward at device positions (N,) -> logits (N, V), features (N, n·H)."""
+        for layer in self.cache.layers:   # write position of every layer: a device copy, no sync
+            layer.cumulative_length.copy_(positions[0])
+        out = self.target(input_ids=ids[None], position_ids=positions[None], use_cache=True,
+                          **{dflash.cache_kwarg(self.target): self.cache})
+        return out.logits[0], self.capture.features()
+
+    def state_tensors(self):
+        return [t for layer in self.cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+    def close(self):
+        self.capture.remove()
+
+
+# -----------------------------------------------------------------------------
+# Acceptance on the device
 
 def verify(drafts, logits, sampling: dflash.Sampling, uniforms, max_accept):
     """dflash.verify on the device with fixed shapes: drafts (K,), logits (K+1, V). Acceptance is
@@ -170,6 +287,9 @@ def verify(drafts, logits, sampling: dflash.Sampling, uniforms, max_accept):
 # -----------------------------------------------------------------------------
 # One step, fixed shapes: draft, verify, accept, append. Compiled and graphed on CUDA.
 
+PREFILL_CHUNK = 512   # prompt positions per prefill forward
+
+
 class Decoder:
     """Owns the static buffers and the step for one target/drafter pair and capacity."""
 
@@ -178,14 +298,14 @@ class Decoder:
         self.target, self.drafter, self.capacity, self.K = target, drafter, capacity, num_drafts
         self.sampling = sampling
         self.device = target.get_input_embeddings().weight.device
-        # Hooks registered once, not inside a compiled step.
-        self.capture_hooks = dflash.Capture(target, [] if drafter is None else drafter.config.target_layer_ids)
+        layer_ids = [] if drafter is None else drafter.config.target_layer_ids
+        self.target_stack = (DenseTarget if DenseTarget.supports(target) else ModelTarget)(target, layer_ids, capacity)
         dev, K = self.device, num_drafts
-        ctx_shape = None
+        num_layers, ctx_shape, dtype = 0, None, None
         if drafter is not None:
             cfg, dtype = drafter.config, next(drafter.parameters()).dtype
-            ctx_shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
-            self.folded = fold_context_weights(drafter)
+            num_layers, ctx_shape = cfg.num_layers, (cfg.num_kv_heads, capacity, cfg.head_dim)
+            self.fused = fuse_drafter(drafter)
             width = cfg.block_size if full_block else K + 1
             self.mask_ids = torch.full((width - 1,), cfg.mask_token_id, device=dev)    # (W-1,)
         self.buf = Buffers(
@@ -194,23 +314,22 @@ class Decoder:
             uniforms=torch.zeros(K + 1, dtype=torch.float64, device=dev),
             verify_ids=torch.zeros(K + 1, dtype=torch.long, device=dev),
             result=torch.zeros(2 * K + 2, dtype=torch.long, device=dev),
-            target_cache=new_target_cache(target, capacity),
-            ctx_keys=None if ctx_shape is None else torch.zeros(ctx_shape, dtype=dtype, device=dev),
-            ctx_values=None if ctx_shape is None else torch.zeros(ctx_shape, dtype=dtype, device=dev))
+            ctx_keys=[torch.zeros(ctx_shape, dtype=dtype, device=dev) for _ in range(num_layers)],
+            ctx_values=[torch.zeros(ctx_shape, dtype=dtype, device=dev) for _ in range(num_layers)])
         self.graphs = None         # the captured draft/verify graphs on CUDA; False if uncapturable
 
     def prefill(self, prompt_ids: list[int]) -> int:
-        """Eager, variable length: fill the target cache and the drafter context for the prompt."""
-        buf, P = self.buf, len(prompt_ids)
+        """Eager, variable length, PREFILL_CHUNK positions at a time (attention scores are chunk × C):
+        fill the target K/V and the drafter context for the prompt."""
+        buf, ids = self.buf, torch.tensor(prompt_ids, device=self.device)               # (P,)
         buf.max_accept.zero_()
-        positions = torch.arange(P, device=self.device)                                 # (P,)
-        set_cache_length(buf.target_cache, torch.zeros((), dtype=torch.long, device=self.device))
-        logits, features = target_forward(self.target, torch.tensor(prompt_ids, device=self.device), positions,
-                                          buf.target_cache, self.capture_hooks)
+        for first in range(0, len(ids), PREFILL_CHUNK):
+            positions = torch.arange(first, min(first + PREFILL_CHUNK, len(ids)), device=self.device)
+            logits, features = self.target_stack.forward(ids[positions], positions)     # (n, V), (n, n·H)
+            if self.drafter is not None:
+                append_context(self.fused, buf, project_context(self.drafter, features), positions)
         _, bonus = verify(buf.verify_ids[:0], logits[-1:], self.sampling, buf.uniforms, buf.max_accept)
-        if self.drafter is not None:
-            append_context(self.drafter, self.folded, buf, project_context(self.drafter, features), positions)
-        buf.start.fill_(P)
+        buf.start.fill_(len(ids))
         buf.verify_ids[0] = bonus
         return int(bonus)
 
@@ -223,17 +342,15 @@ class Decoder:
     def draft(self):
         buf = self.buf
         block = torch.cat([buf.verify_ids[:1], self.mask_ids])                          # (W,)
-        buf.verify_ids[1:] = propose(self.drafter, buf, block, self.target)[:self.K]    # (K,)
+        buf.verify_ids[1:] = propose(self.fused, buf, block, self.target)[:self.K]      # (K,)
 
     def verify(self):
         buf, K = self.buf, self.K
         positions = buf.start + torch.arange(K + 1, device=self.device)                 # (K+1,)
-        set_cache_length(buf.target_cache, buf.start)
-        logits, features = target_forward(self.target, buf.verify_ids, positions, buf.target_cache,
-                                          self.capture_hooks)                           # (K+1, V)
+        logits, features = self.target_stack.forward(buf.verify_ids, positions)         # (K+1, V)
         accepted, bonus = verify(buf.verify_ids[1:], logits, self.sampling, buf.uniforms, buf.max_accept)
         if self.drafter is not None:   # all K+1 rows; rows past `accepted` are masked, then overwritten
-            append_context(self.drafter, self.folded, buf, project_context(self.drafter, features), positions)
+            append_context(self.fused, buf, project_context(self.drafter, features), positions)
         drafts = buf.verify_ids[1:]                                                     # (K,)
         emitted = torch.where(torch.arange(K + 1, device=self.device) < accepted,
                               torch.cat([drafts, bonus[None]]), bonus)                  # (K+1,) d_1..d_a, t_a, ...
@@ -292,9 +409,8 @@ class Decoder:
     def state_tensors(self):
         buf = self.buf
         tensors = [buf.start, buf.max_accept, buf.uniforms, buf.verify_ids, buf.result]
-        tensors += [t for layer in buf.target_cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
-        if buf.ctx_keys is not None:
-            tensors += [buf.ctx_keys, buf.ctx_values]
+        tensors += self.target_stack.state_tensors()
+        tensors += buf.ctx_keys + buf.ctx_values
         return tensors
 
 
@@ -311,7 +427,7 @@ def decoder_for(target, drafter, capacity: int, K: int, full_block: bool, sampli
     key = (target, drafter, capacity, K, full_block, sampling)
     if key not in _decoders:
         while len(_decoders) >= LIVE_DECODERS:
-            _decoders.pop(next(iter(_decoders))).capture_hooks.remove()
+            _decoders.pop(next(iter(_decoders))).target_stack.close()
         _decoders[key] = Decoder(target, drafter, capacity, K, full_block, sampling)
     _decoders[key] = _decoders.pop(key)   # most recently used last
     return _decoders[key]
