@@ -80,7 +80,7 @@ def attend(q, keys, values, mask, scale: float):
     """Masked softmax attention of q (N, h, d) over keys/values (hk, S, d), mask (N, S) -> (N, h·d).
     The g query heads of each K/V head are stacked as rows, so K/V are read once and never repeated.
     As transformers' eager attention: scores in the working dtype, softmax in fp32. Compiled, this is
-    two matmuls and one fused softmax kernel, for any S."""
+    two batched matmuls and a fused masked softmax, for any S."""
     N, h, d = q.shape
     hk, S, g = keys.shape[0], keys.shape[1], h // keys.shape[0]
     q = q.view(N, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * N, d)                 # (hk, g·N, d)
@@ -181,13 +181,17 @@ def propose(drafter: FusedDrafter, buf: Buffers, block, target):
 
 class DenseTarget:
     """A Llama/Qwen3 decoder stack run here: one [q;k;v] and one [gate;up] matmul per layer, K/V in
-    static (T, hk, C, d) buffers, attention by `attend`. Embedding, norms, rotary embedding, o/down
+    static per-layer (hk, C, d) buffers, attention by `attend`. Embedding, norms, rotary embedding, o/down
     projections and LM head are the model's own modules, so the math is the model's."""
 
     @staticmethod
     def supports(target) -> bool:
         cfg = target.config
-        return (cfg.model_type in ("llama", "qwen3") and cfg.hidden_act == "silu"
+        if cfg.model_type not in ("llama", "qwen3"):
+            return False
+        attn, mlp = target.model.layers[0].self_attn, target.model.layers[0].mlp
+        plain = all(type(m) is nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+        return (plain and cfg.hidden_act == "silu"
                 and not getattr(cfg, "attention_bias", False) and not getattr(cfg, "mlp_bias", False)
                 and getattr(cfg, "pretraining_tp", 1) == 1
                 and all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or []))
