@@ -39,11 +39,11 @@ torch.set_num_threads(1)   # tiny models: threads only add synchronisation overh
 # -----------------------------------------------------------------------------
 # Tiny checkpoints
 
-def target_config(family: str):
+def target_config(family: str, **extra):
     from transformers import LagunaConfig, LlamaConfig, Qwen3Config
     common = dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=64, num_hidden_layers=T_LAYERS,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0, **extra)
     if family == "qwen3":
         return Qwen3Config(**common)
     if family == "llama":
@@ -56,10 +56,10 @@ def target_config(family: str):
                         shared_expert_intermediate_size=32)
 
 
-def write_target(directory: Path, family: str) -> Path:
+def write_target(directory: Path, family: str, **extra) -> Path:
     from transformers import AutoModelForCausalLM
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(target_config(family))
+    model = AutoModelForCausalLM.from_config(target_config(family, **extra))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(60.0)   # peaked logits: no near-ties for the oracle
     model.save_pretrained(directory)
@@ -745,6 +745,22 @@ def test_target_stack_equals_model_forward(targets, family):
     # norm (attention summed in another order) comes out fp32-sized: compare at fp32 precision.
     torch.testing.assert_close(torch.cat([p[0] for p in parts]), logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([p[1] for p in parts]), features, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,extra", [("llama", dict(attention_bias=True)),
+                                          ("qwen3", dict(use_sliding_window=True, sliding_window=3, max_window_layers=2))],
+                         ids=["llama-attention-bias", "qwen3-sliding-window"])
+def test_dense_targets_outside_the_dense_path_run_their_own_forward(tmp_path, family, extra):
+    """Dense targets that DenseTarget does not cover (attention biases, sliding-window layers) run
+    through the model's own forward, and fastpath still gives dflash.py's and HF's tokens."""
+    target = dflash.load_target(str(write_target(tmp_path / "t", family, **extra)), torch.float64, "cpu")
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=4)), target, torch.float64, "cpu")
+    assert not fastpath.DenseTarget.supports(target)
+    ref, fast, reference = run_both(target, drafter, [4, 8, 15, 16, 23, 42], 14, help_seed=11)
+    assert isinstance(next(d for d in fastpath._decoders.values() if d.target is target).target_stack,
+                      fastpath.ModelTarget)
+    assert_same_generation(fast, ref)
+    assert_same_tokens(fast.tokens, reference[:14])
 
 
 def test_fused_weight_is_a_view_of_the_modules_weights():
