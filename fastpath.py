@@ -203,6 +203,7 @@ class DenseTarget:
         self.gate_up = [fused_weight([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
         attn, w = self.layers[0].self_attn, self.qkv[0]
         self.head_dim, self.num_kv_heads = attn.head_dim, target.config.num_key_value_heads
+        self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb   # the model's own RoPE
         shape = (self.num_kv_heads, capacity, self.head_dim)   # per layer: see Buffers
         self.keys = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers]    # T × (hk, C, d)
         self.values = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers]  # T × (hk, C, d)
@@ -212,8 +213,7 @@ class DenseTarget:
         """ids (N,) at positions (N,) -> logits (N, V), captured features (N, n·H)."""
         model, N, d, hk = self.target.model, len(ids), self.head_dim, self.num_kv_heads
         x = model.embed_tokens(ids)                                                     # (N, H)
-        cos, sin = (t[0, :, None] for t in model.rotary_emb(x[None], positions[None]))  # (N, 1, d)
-        rotate = lambda t: t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
+        cos, sin = (t[0] for t in model.rotary_emb(x[None], positions[None]))           # (N, d)
         mask = self.key_positions[None] <= positions[:, None]                           # (N, C) causal
         captured = {}
         for l, layer in enumerate(self.layers):
@@ -223,9 +223,10 @@ class DenseTarget:
             q, k, v = q.view(N, -1, d), k.view(N, hk, d), v.view(N, hk, d)
             if hasattr(attn, "q_norm"):   # Qwen3 normalises q and k per head before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            self.keys[l].index_copy_(1, positions, rotate(k).transpose(0, 1))
+            q, k = self.apply_rotary(q, k, cos, sin)                                    # cos, sin as (N, 1, d)
+            self.keys[l].index_copy_(1, positions, k.transpose(0, 1))
             self.values[l].index_copy_(1, positions, v.transpose(0, 1))
-            x = x + attn.o_proj(attend(rotate(q), self.keys[l], self.values[l], mask, attn.scaling))
+            x = x + attn.o_proj(attend(q, self.keys[l], self.values[l], mask, attn.scaling))
             gate, up = (layer.post_attention_layernorm(x) @ self.gate_up[l].T).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                    # (N, H)
             captured[l] = x
