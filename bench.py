@@ -23,7 +23,6 @@ import json
 import platform
 import statistics
 import time
-import traceback
 
 import torch
 
@@ -56,9 +55,9 @@ def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
         hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
         num_layers=shape["draft_layers"], num_heads=shape["num_attention_heads"],
         num_kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"], rms_norm_eps=1e-6,
-        rope_thetas=[1e6] * shape["draft_layers"], block_size=shape["block_size"],
-        mask_token_id=shape["vocab_size"] - 1, target_layer_ids=shape["layer_ids"],
-        layer_types=["full_attention"] * shape["draft_layers"], sliding_window=None, causal=None, laguna=False)
+        block_size=shape["block_size"], mask_token_id=shape["vocab_size"] - 1, target_layer_ids=shape["layer_ids"],
+        rope_thetas=[1e6] * shape["draft_layers"], causal=[False] * shape["draft_layers"],
+        windows=[None] * shape["draft_layers"])
     with torch.device(device):
         drafter = dflash.Drafter(dcfg).to(dtype).eval().requires_grad_(False)
     return target, drafter
@@ -191,18 +190,20 @@ def main():
                 json.dump(dict(conditions=conditions, rows=rows, errors=errors), f, indent=2)
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
-    fast = lambda *a, **kw: fastpath.generate(*a, capacity=capacity, **kw)
-    for name, d in (("fast-ar", None), ("fast-dflash", drafter)):
+    decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
+                for name, d in (("fast-ar", None), ("fast-dflash", drafter))}
+    for name, dec in decoders.items():
         t0 = time.perf_counter()
-        fast(target, d, prompt, 8)   # builds the buffers, compiles and captures the step
+        dec.generate(prompt, 8)   # compiles and captures the step
         torch.cuda.synchronize()
         conditions["compile_and_capture_s"][name] = round(time.perf_counter() - t0, 1)
-        times, gen = round_times(fast, target, d, prompt, args.new_tokens)
-        add(name + (" step" if d is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
-            floor_step if d is not None else floor_ar, speculative=d is not None)
-    dec = next(d for d in fastpath._decoders.values() if d.drafter is drafter)
+        fast = lambda target_, drafter_, ids, max_new, **kw: dec.generate(ids, max_new, **kw)
+        times, gen = round_times(fast, target, dec.drafter, prompt, args.new_tokens)
+        add(name + (" step" if dec.drafter is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
+            floor_step if dec.drafter is not None else floor_ar, speculative=dec.drafter is not None)
+    dec = decoders["fast-dflash"]
     if dec.graphs:
-        with torch.inference_mode():   # the buffers are inference tensors
+        with torch.inference_mode():
             dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
             add("  fast draft part", graph_time(dec.graphs["draft"].replay), 1.0, draft_bytes / bandwidth * 1e3)
             dec.buf.start.fill_(context)
@@ -226,6 +227,8 @@ def main():
         finally:
             target.forward = eager_forward
     print(f"compile + capture (s): {conditions['compile_and_capture_s']}")
+    for dec in decoders.values():
+        dec.close()
 
 
 if __name__ == "__main__":

