@@ -126,6 +126,35 @@ def profile_step(dec, steps=10):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
 
 
+def profile_eager(name: str, run, steps: int):
+    """Where an eager step's time goes: run(n) decodes n tokens; the profiles of run(steps + 1) and
+    run(1) are subtracted, so the prefill drops out. Prints, per step, the kernels and their GPU time,
+    the CUDA runtime calls with the host time spent in them, and the host ops that cost the most."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
+
+    def profiled(n):
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(n)
+            torch.cuda.synchronize()
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        calls = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda")]
+        counts, host_us = Counter(e.name for e in calls), Counter()
+        for e in calls:
+            host_us[e.name] += e.cpu_time_total
+        return prof, len(kernels), sum(e.device_time for e in kernels), counts, host_us
+
+    run(2)   # warm-up
+    prof, kernels, busy_us, counts, host_us = profiled(steps + 1)
+    _, kernels1, busy1, counts1, host1 = profiled(1)
+    print(f"\nprofile of {name}, per step (mean of {steps}): {(kernels - kernels1) / steps:.0f} kernels, "
+          f"{(busy_us - busy1) / steps / 1e3:.3f} ms of kernel time")
+    for call in sorted(counts, key=lambda c: -host_us[c]):
+        print(f"  {call:<34}{(counts[call] - counts1[call]) / steps:8.1f} calls {(host_us[call] - host1[call]) / steps / 1e3:9.3f} ms host")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
 def hf_generate_rate(target, prompt, max_new_tokens, **kwargs) -> float:
     """ms per token of HF generate (decode part: total minus a 1-token run for the prefill)."""
     ids = torch.tensor([prompt], device="cuda")
@@ -147,9 +176,11 @@ def main():
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--skip", default="", help="comma-separated rows to skip")
+    p.add_argument("--skip", default="", help="comma-separated rows to skip: fast, dflash-ref, hf-eager, hf-static-compile")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="also print the kernels of one graphed step")
+    p.add_argument("--profile-eager", action="store_true",
+                   help="also profile the eager rows: a dflash.py step and an HF generate token")
     args = p.parse_args()
     skip = set(args.skip.split(","))
     shape = SHAPES[args.shape]
@@ -191,7 +222,7 @@ def main():
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
-                for name, d in (("fast-ar", None), ("fast-dflash", drafter))}
+                for name, d in (("fast-ar", None), ("fast-dflash", drafter)) if "fast" not in skip}
     for name, dec in decoders.items():
         t0 = time.perf_counter()
         dec.generate(prompt, 8)   # compiles and captures the step
@@ -201,8 +232,8 @@ def main():
         times, gen = round_times(fast, target, dec.drafter, prompt, args.new_tokens)
         add(name + (" step" if dec.drafter is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
             floor_step if dec.drafter is not None else floor_ar, speculative=dec.drafter is not None)
-    dec = decoders["fast-dflash"]
-    if dec.graphs:
+    dec = decoders.get("fast-dflash")
+    if dec is not None and dec.graphs:
         with torch.inference_mode():
             dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
             add("  fast draft part", graph_time(dec.graphs["draft"].replay), 1.0, draft_bytes / bandwidth * 1e3)
@@ -213,8 +244,15 @@ def main():
     if "dflash-ref" not in skip:
         times, gen = round_times(dflash.generate, target, drafter, prompt, 32)
         add("dflash-ref step", statistics.median(times[4:]) * 1e3, gen.tau, floor_step, speculative=True)
+        if args.profile_eager:
+            profile_eager("a dflash.py step", lambda n: dflash.generate(target, drafter, prompt, n), 8)
     if "hf-eager" not in skip:
         add("hf-eager", hf_generate_rate(target, prompt, 64), 1.0, floor_ar)
+        if args.profile_eager:
+            ids = torch.tensor([prompt], device="cuda")
+            profile_eager("an HF generate token", lambda n: target.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=0), 8)
     if "hf-static-compile" not in skip:
         eager_forward = target.forward
         try:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import offline
@@ -90,15 +91,15 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope(x, positions, theta: float):
-    """Rotate-half RoPE at absolute positions: x (..., N, heads, d), positions (..., N)."""
-    d = x.shape[-1]
+def rope(positions, theta: float, *xs):
+    """Rotate-half RoPE of each x (..., N, heads, d) at absolute positions (..., N), one table of angles for all."""
+    d, like = xs[0].shape[-1], xs[0]
     # Angles in float64: exact enough at any position, and the same in every working dtype.
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)  # (d/2,)
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=like.device, dtype=torch.float64) / d)  # (d/2,)
     angles = positions.double()[..., None] * inv_freq                                   # (..., N, d/2)
     angles = torch.cat([angles, angles], -1)[..., None, :]                              # (..., N, 1, d)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * angles.cos().to(x.dtype) + torch.cat([-x2, x1], dim=-1) * angles.sin().to(x.dtype)
+    cos, sin = angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+    return [x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1) * sin for x in xs]
 
 
 def gate(logits, o):
@@ -117,7 +118,7 @@ class DraftAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, hk, d
         self.rope_theta = cfg.rope_thetas[layer]
         self.qkv_proj = nn.Linear(H, (h + 2 * hk) * d, bias=False)
-        self.kv_rows = slice(h * d, (h + 2 * hk) * d)   # the rows of qkv_proj that make keys and values
+        self.heads, self.kv_rows = [h, hk, hk], slice(h * d, (h + 2 * hk) * d)   # qkv_proj's heads; its k/v rows
         self.g_proj = nn.Linear(H, h, bias=False) if cfg.gated else None
         self.o_proj = nn.Linear(h * d, H, bias=False)
         self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
@@ -125,14 +126,14 @@ class DraftAttention(nn.Module):
     def keys_values(self, kv, positions):
         """k/v rows (..., N, 2·hk·d) at positions (..., N) -> keys (k_norm, RoPE) and values (..., hk, N, d)."""
         k, v = kv.unflatten(-1, (2, self.num_kv_heads, self.head_dim)).unbind(-3)      # (..., N, hk, d)
-        return rope(self.k_norm(k), positions, self.rope_theta).transpose(-3, -2), v.transpose(-3, -2)
+        return rope(positions, self.rope_theta, self.k_norm(k))[0].transpose(-3, -2), v.transpose(-3, -2)
 
     def forward(self, u, positions, context, mask):
         """Rows u (..., W, H) at positions (..., W), context (keys, values) (..., hk, S, d) -> (..., W, H)."""
-        q, kv = self.qkv_proj(u).split([self.kv_rows.start, self.kv_rows.stop - self.kv_rows.start], -1)
-        q = rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), positions, self.rope_theta)
-        k, v = self.keys_values(kv, positions)                                          # (..., hk, W, d)
-        keys, values = torch.cat([context[0], k], -2), torch.cat([context[1], v], -2)   # (..., hk, S+W, d)
+        q, k, v = self.qkv_proj(u).unflatten(-1, (-1, self.head_dim)).split(self.heads, -2)   # (..., W, h|hk, d)
+        q, k = rope(positions, self.rope_theta, self.q_norm(q), self.k_norm(k))
+        keys = torch.cat([context[0], k.transpose(-3, -2)], -2)                        # (..., hk, S+W, d)
+        values = torch.cat([context[1], v.transpose(-3, -2)], -2)                      # (..., hk, S+W, d)
         # mask (..., W, S+W): the keys each row sees, or None for all
         o = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=mask, enable_gqa=True)
         o = o.transpose(-3, -2) if self.g_proj is None else gate(self.g_proj(u), o.transpose(-3, -2))  # (..., W, h, d)
@@ -229,7 +230,8 @@ def target_forward(target, ids, start: int, cache, capture: Capture):
     """The target on ids (N,) at positions start.., appending to its cache -> logits (N, V) and the
     captured features (N, n·H), both from this one pass."""
     positions = torch.arange(start, start + len(ids), device=ids.device)[None]          # (1, N)
-    out = target(input_ids=ids[None], position_ids=positions, use_cache=True, **{cache_kwarg(type(target)): cache})
+    with sdpa_kernel(TARGET_ATTENTION):
+        out = target(input_ids=ids[None], position_ids=positions, use_cache=True, **{cache_kwarg(type(target)): cache})
     features = capture.features()
     return out.logits[0], None if features is None else features[0]
 
@@ -581,6 +583,11 @@ def decoder_layers(target: nn.Module) -> nn.ModuleList:
     layers = next((m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers), None)
     require(layers is not None, f"target: no decoder stack of {num_layers} layers found")
     return layers
+
+
+# The target's SDPA kernels: cuDNN attention builds a plan for every new sequence length, about 1.5 ms of
+# host time per layer on an H200 with a mask, and decoding changes the length every round.
+TARGET_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @functools.cache

@@ -267,11 +267,10 @@ def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
     for l, layer in enumerate(drafter.module.layers):
         attn = layer.self_attn
         u = layer.input_layernorm(x)                                                    # (W, H)
-        q, kv = (u @ attn.qkv_proj.weight.T).split([attn.kv_rows.start, attn.kv_rows.stop - attn.kv_rows.start], -1)
-        q = rope(attn.q_norm(q.view(W, h, d)), positions, attn.rope_theta)              # (W, h, d)
-        k, v = attn.keys_values(kv, positions)                                          # (hk, W, d)
-        keys = torch.cat([buf.ctx_keys[l], k], dim=1)                                   # (hk, C+W, d)
-        values = torch.cat([buf.ctx_values[l], v], dim=1)                               # (hk, C+W, d)
+        q, k, v = (u @ attn.qkv_proj.weight.T).view(W, -1, d).split(attn.heads, 1)      # (W, h|hk, d)
+        q, k = rope(positions, attn.rope_theta, attn.q_norm(q), attn.k_norm(k))
+        keys = torch.cat([buf.ctx_keys[l], k.transpose(0, 1)], dim=1)                   # (hk, C+W, d)
+        values = torch.cat([buf.ctx_values[l], v.transpose(0, 1)], dim=1)               # (hk, C+W, d)
         mask = attention_mask(positions, key_positions, layer.causal, layer.window) & committed
         o = attend(q, keys, values, mask, d ** -0.5).view(W, h, d)                     # (W, h, d)
         if attn.g_proj is not None:
