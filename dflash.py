@@ -91,15 +91,19 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope(positions, theta: float, *xs):
-    """Rotate-half RoPE of each x (..., N, heads, d) at absolute positions (..., N), one table of angles for all."""
-    d, like = xs[0].shape[-1], xs[0]
-    # Angles in float64: exact enough at any position, and the same in every working dtype.
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=like.device, dtype=torch.float64) / d)  # (d/2,)
+def rope_table(positions, theta: float, d: int, dtype):
+    """RoPE's cos and sin at absolute positions (..., N), (..., N, 1, d) each. The angles are computed
+    in float64: exact enough at any position, and the same in every working dtype."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float64) / d)  # (d/2,)
     angles = positions.double()[..., None] * inv_freq                                   # (..., N, d/2)
     angles = torch.cat([angles, angles], -1)[..., None, :]                              # (..., N, 1, d)
-    cos, sin = angles.cos().to(like.dtype), angles.sin().to(like.dtype)
-    return [x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1) * sin for x in xs]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope(x, table):
+    """Rotate-half RoPE of x (..., N, heads, d) by the rope_table of its positions."""
+    (cos, sin), d = table, x.shape[-1]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1) * sin
 
 
 def gate(logits, o):
@@ -123,15 +127,15 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(h * d, H, bias=False)
         self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
 
-    def keys_values(self, kv, positions):
-        """k/v rows (..., N, 2·hk·d) at positions (..., N) -> keys (k_norm, RoPE) and values (..., hk, N, d)."""
+    def keys_values(self, kv, table):
+        """k/v rows (..., N, 2·hk·d) and their positions' rope table -> keys (k_norm, RoPE), values (..., hk, N, d)."""
         k, v = kv.unflatten(-1, (2, self.num_kv_heads, self.head_dim)).unbind(-3)      # (..., N, hk, d)
-        return rope(positions, self.rope_theta, self.k_norm(k))[0].transpose(-3, -2), v.transpose(-3, -2)
+        return rope(self.k_norm(k), table).transpose(-3, -2), v.transpose(-3, -2)
 
-    def forward(self, u, positions, context, mask):
-        """Rows u (..., W, H) at positions (..., W), context (keys, values) (..., hk, S, d) -> (..., W, H)."""
+    def forward(self, u, table, context, mask):
+        """Rows u (..., W, H) with their rope table, context (keys, values) (..., hk, S, d) -> (..., W, H)."""
         q, k, v = self.qkv_proj(u).unflatten(-1, (-1, self.head_dim)).split(self.heads, -2)   # (..., W, h|hk, d)
-        q, k = rope(positions, self.rope_theta, self.q_norm(q), self.k_norm(k))
+        q, k = rope(self.q_norm(q), table), rope(self.k_norm(k), table)
         keys = torch.cat([context[0], k.transpose(-3, -2)], -2)                        # (..., hk, S+W, d)
         values = torch.cat([context[1], v.transpose(-3, -2)], -2)                      # (..., hk, S+W, d)
         # mask (..., W, S+W): the keys each row sees, or None for all
@@ -164,13 +168,13 @@ class DraftLayer(nn.Module):
         self.context_norm = self.input_layernorm if cfg.norm_context else nn.Identity()
         self.causal, self.window = cfg.causal[layer], cfg.windows[layer]   # this layer's mask rule
 
-    def context_kv(self, c, positions):
-        """KV injection: context rows c (..., S, H) at positions (..., S) -> keys, values (..., hk, S, d)."""
+    def context_kv(self, c, tables):
+        """KV injection: context rows c (..., S, H), rope tables of their positions -> keys, values (..., hk, S, d)."""
         attn = self.self_attn
-        return attn.keys_values(F.linear(self.context_norm(c), attn.qkv_proj.weight[attn.kv_rows]), positions)
+        return attn.keys_values(F.linear(self.context_norm(c), attn.qkv_proj.weight[attn.kv_rows]), tables[attn.rope_theta])
 
-    def forward(self, x, positions, context, mask):
-        x = x + self.self_attn(self.input_layernorm(x), positions, context, mask)
+    def forward(self, x, tables, context, mask):
+        x = x + self.self_attn(self.input_layernorm(x), tables[self.self_attn.rope_theta], context, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -194,10 +198,16 @@ class Drafter(nn.Module):
             features = torch.cat([norm(f) for norm, f in zip(self.aux_hidden_norms, chunks)], -1)
         return self.hidden_norm(self.fc(features))
 
+    def rope_tables(self, positions, dtype) -> dict:
+        """A rope_table at positions (..., N) for each RoPE base the layers use."""
+        return {theta: rope_table(positions, theta, self.config.head_dim, dtype) for theta in set(self.config.rope_thetas)}
+
     def forward(self, x, positions, context, masks):
-        """Block embeddings x (..., W, H) through the layers, each with its context and mask -> (..., W, H)."""
+        """Block embeddings x (..., W, H) at positions (..., W) through the layers, each with its context
+        and mask -> (..., W, H)."""
+        tables = self.rope_tables(positions, x.dtype)
         for layer, layer_context, mask in zip(self.layers, context, masks):
-            x = layer(x, positions, layer_context, mask)
+            x = layer(x, tables, layer_context, mask)
         return self.norm(x)
 
 
@@ -258,9 +268,9 @@ class DraftContext:
 
 def append_context(drafter: Drafter, ctx: DraftContext, c):
     """KV injection: new context rows c (N, H) at positions S.. enter every layer's K/V."""
-    positions = torch.arange(ctx.length, ctx.length + len(c), device=c.device)          # (N,)
+    tables = drafter.rope_tables(torch.arange(ctx.length, ctx.length + len(c), device=c.device), c.dtype)
     for l, layer in enumerate(drafter.layers):
-        k, v = layer.context_kv(c, positions)                                           # (hk, N, d)
+        k, v = layer.context_kv(c, tables)                                              # (hk, N, d)
         ctx.keys[l] = torch.cat([ctx.keys[l], k], dim=1)                                # (hk, S+N, d)
         ctx.values[l] = torch.cat([ctx.values[l], v], dim=1)                            # (hk, S+N, d)
 

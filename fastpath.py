@@ -227,8 +227,9 @@ def append_context(drafter: FusedDrafter, buf: Buffers, c, positions):
     cfg = drafter.module.config
     kv = (drafter.context_norm(c) @ drafter.context_kv.T).view(len(c), cfg.num_layers, 2, cfg.num_kv_heads,
                                                                cfg.head_dim)   # (N, L, 2, hk, d)
+    tables = drafter.module.rope_tables(positions, c.dtype)
     for l, layer in enumerate(drafter.module.layers):
-        k, v = layer.self_attn.keys_values(kv[:, l].flatten(-3), positions)             # (hk, N, d)
+        k, v = layer.self_attn.keys_values(kv[:, l].flatten(-3), tables[layer.self_attn.rope_theta])   # (hk, N, d)
         buf.ctx_keys[l].index_copy_(1, positions, k)
         buf.ctx_values[l].index_copy_(1, positions, v)
 
@@ -263,12 +264,12 @@ def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
     key_positions = torch.cat([torch.arange(C, device=device), positions])             # (C+W,)
     committed = torch.cat([torch.arange(C, device=device) < buf.start,
                            torch.ones(W, dtype=torch.bool, device=device)])             # (C+W,)
-    x = block_embeds                                                                    # (W, H)
+    x, tables = block_embeds, drafter.module.rope_tables(positions, block_embeds.dtype)   # x (W, H)
     for l, layer in enumerate(drafter.module.layers):
-        attn = layer.self_attn
+        attn, table = layer.self_attn, tables[layer.self_attn.rope_theta]
         u = layer.input_layernorm(x)                                                    # (W, H)
         q, k, v = (u @ attn.qkv_proj.weight.T).view(W, -1, d).split(attn.heads, 1)      # (W, h|hk, d)
-        q, k = rope(positions, attn.rope_theta, attn.q_norm(q), attn.k_norm(k))
+        q, k = rope(attn.q_norm(q), table), rope(attn.k_norm(k), table)
         keys = torch.cat([buf.ctx_keys[l], k.transpose(0, 1)], dim=1)                   # (hk, C+W, d)
         values = torch.cat([buf.ctx_values[l], v.transpose(0, 1)], dim=1)               # (hk, C+W, d)
         mask = attention_mask(positions, key_positions, layer.causal, layer.window) & committed

@@ -263,7 +263,7 @@ def test_kv_rows_of_the_one_projection_are_the_files_k_and_v(targets, tmp_path, 
         wq, wk, wv = (tensors[f"layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
     torch.testing.assert_close(layer.self_attn.qkv_proj.weight, torch.cat([wq, wk, wv]), rtol=0, atol=0)
     c = torch.randn(1, H, dtype=torch.float64)
-    keys, values = layer.context_kv(c, torch.zeros(1, dtype=torch.long))                  # (hk, 1, d)
+    keys, values = layer.context_kv(c, drafter.rope_tables(torch.zeros(1, dtype=torch.long), c.dtype))  # (hk, 1, d)
     u = layer.input_layernorm(c) if fmt == "laguna" else c   # Laguna normalises the context first
     torch.testing.assert_close(keys[:, 0], layer.self_attn.k_norm((u @ wk.T).view(2, 8)))
     torch.testing.assert_close(values[:, 0], (u @ wv.T).view(2, 8))

@@ -285,7 +285,8 @@ def packed_forward(drafter: Drafter, c, x, anchors):
     for layer in drafter.layers:
         if (layer.causal, layer.window) not in masks:
             masks[layer.causal, layer.window] = packed_mask(anchors, B, N, layer.causal, layer.window)
-    context = [layer.context_kv(c, ctx_positions) for layer in drafter.layers]        # L × (Bt, hk, N, d) each
+    tables = drafter.rope_tables(ctx_positions, c.dtype)
+    context = [layer.context_kv(c, tables) for layer in drafter.layers]               # L × (Bt, hk, N, d) each
     return drafter(x, positions, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
 
 
