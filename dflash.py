@@ -1,13 +1,10 @@
 """DFlash speculative decoding: the readable reference.
 
-A small block drafter, conditioned on hidden states captured from the target, proposes a whole block
-of tokens in one forward pass; the target verifies it in one forward pass and keeps the longest prefix
-that matches its own choice. Greedy output is token-identical to the target's own greedy decode.
-
-This is the clean reference: plain PyTorch, one generate loop, no caching beyond the drafter's context
-K/V; deliberately simple, not fast (`fastpath.py` computes the same tokens with static buffers and
-compiled steps). The math comes first, in the order a step runs it; loading, validation and
-transformers glue come after it, then the CLI.
+A block drafter, conditioned on hidden states captured from the target, proposes a whole block in one
+forward pass; the target verifies it in one pass and keeps the longest prefix that matches its own choice,
+so greedy output is token-identical to the target's greedy decode. This is the clean reference: plain
+PyTorch, one generate loop, deliberately simple, not fast (`fastpath.py` is the same math, fast). The math
+comes first, in the order a step runs it; loading, validation and transformers glue follow, then the CLI.
 
     $ python dflash.py        # SmolLM2-135M-Instruct with the drafter shipped in drafter/
     $ python dflash.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
@@ -16,8 +13,6 @@ Shapes: P prompt, S context (tokens the drafter has seen), B block, K drafts per
 draft block (B, or K+1), H hidden, n captured target layers, V vocab, h/hk query/key heads, d head_dim;
 `...` is any leading batch shape (none when decoding, sequences when training).
 """
-from __future__ import annotations
-
 import argparse
 import functools
 import inspect
@@ -51,7 +46,6 @@ def require(ok: bool, message: str):
 
 # -----------------------------------------------------------------------------
 # Drafter config: every checkpoint format resolved at load into one description (spec §6)
-
 @dataclass
 class DraftConfig:
     hidden_size: int                 # H, must equal the target's
@@ -75,12 +69,12 @@ class DraftConfig:
 
 def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
     """Spread n captured layers evenly from layer 1 to layer T-3 (spec §1); one layer sits at T // 2."""
-    return [num_target_layers // 2] if n == 1 else [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+    T = num_target_layers
+    return [T // 2] if n == 1 else [round(1 + i * (T - 4) / (n - 1)) for i in range(n)]
 
 
 # -----------------------------------------------------------------------------
 # Drafter modules: a Qwen3-style pre-norm decoder with no embeddings and no LM head
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -92,8 +86,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_table(positions, theta: float, d: int, dtype):
-    """RoPE's cos and sin at absolute positions (..., N), (..., N, 1, d) each. The angles are computed
-    in float64: exact enough at any position, and the same in every working dtype."""
+    """RoPE's cos and sin at positions (..., N), (..., N, 1, d) each, from float64 angles (exact at any position)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float64) / d)  # (d/2,)
     angles = positions.double()[..., None] * inv_freq                                   # (..., N, d/2)
     angles = torch.cat([angles, angles], -1)[..., None, :]                              # (..., N, 1, d)
@@ -108,19 +101,16 @@ def rope(x, table):
 
 def gate(logits, o):
     """Laguna's per-head output gate: o (..., W, h, d) times softplus(logits (..., W, h)), in ≥ fp32."""
-    g = F.softplus(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(o.dtype)
-    return o * g[..., None]
+    return o * F.softplus(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(o.dtype)[..., None]
 
 
 class DraftAttention(nn.Module):
-    """KV injection: block rows attend to the context's keys and values and to their own. One projection,
-    rows [q (h·d); k (hk·d); v (hk·d)] as Laguna ships it (z-lab's are stacked at load), serves both."""
+    """KV injection: block rows attend to the context's keys and values and their own, all from one qkv_proj."""
 
     def __init__(self, cfg: DraftConfig, layer: int):
         super().__init__()
         H, h, hk, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, hk, d
-        self.rope_theta = cfg.rope_thetas[layer]
+        self.num_kv_heads, self.head_dim, self.rope_theta = hk, d, cfg.rope_thetas[layer]
         self.qkv_proj = nn.Linear(H, (h + 2 * hk) * d, bias=False)
         self.heads, self.kv_rows = [h, hk, hk], slice(h * d, (h + 2 * hk) * d)   # qkv_proj's heads; its k/v rows
         self.g_proj = nn.Linear(H, h, bias=False) if cfg.gated else None
@@ -128,7 +118,7 @@ class DraftAttention(nn.Module):
         self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
 
     def keys_values(self, kv, table):
-        """k/v rows (..., N, 2·hk·d) and their positions' rope table -> keys (k_norm, RoPE), values (..., hk, N, d)."""
+        """k/v rows (..., N, 2·hk·d), their rope table -> keys (k_norm, RoPE), values (..., hk, N, d)."""
         k, v = kv.unflatten(-1, (2, self.num_kv_heads, self.head_dim)).unbind(-3)      # (..., N, hk, d)
         return rope(self.k_norm(k), table).transpose(-3, -2), v.transpose(-3, -2)
 
@@ -140,8 +130,8 @@ class DraftAttention(nn.Module):
         values = torch.cat([context[1], v.transpose(-3, -2)], -2)                      # (..., hk, S+W, d)
         # mask (..., W, S+W): the keys each row sees, or None for all
         o = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=mask, enable_gqa=True)
-        o = o.transpose(-3, -2) if self.g_proj is None else gate(self.g_proj(u), o.transpose(-3, -2))  # (..., W, h, d)
-        return self.o_proj(o.flatten(-2))
+        o = o.transpose(-3, -2)                                                         # (..., W, h, d)
+        return self.o_proj((o if self.g_proj is None else gate(self.g_proj(u), o)).flatten(-2))
 
 
 class DraftMLP(nn.Module):
@@ -169,9 +159,10 @@ class DraftLayer(nn.Module):
         self.causal, self.window = cfg.causal[layer], cfg.windows[layer]   # this layer's mask rule
 
     def context_kv(self, c, tables):
-        """KV injection: context rows c (..., S, H), rope tables of their positions -> keys, values (..., hk, S, d)."""
+        """KV injection: context rows c (..., S, H), their rope tables -> keys, values (..., hk, S, d)."""
         attn = self.self_attn
-        return attn.keys_values(F.linear(self.context_norm(c), attn.qkv_proj.weight[attn.kv_rows]), tables[attn.rope_theta])
+        kv = F.linear(self.context_norm(c), attn.qkv_proj.weight[attn.kv_rows])       # (..., S, 2·hk·d)
+        return attn.keys_values(kv, tables[attn.rope_theta])
 
     def forward(self, x, tables, context, mask):
         x = x + self.self_attn(self.input_layernorm(x), tables[self.self_attn.rope_theta], context, mask)
@@ -186,8 +177,7 @@ class Drafter(nn.Module):
         self.config, n, H, eps = cfg, len(cfg.target_layer_ids), cfg.hidden_size, cfg.rms_norm_eps
         # Laguna normalises each captured layer on its own before fc (spec §2); z-lab does not.
         self.aux_hidden_norms = nn.ModuleList(RMSNorm(H, eps) for _ in range(n)) if cfg.capture_norms else None
-        self.fc = nn.Linear(n * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, eps)
+        self.fc, self.hidden_norm = nn.Linear(n * H, H, bias=False), RMSNorm(H, eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, l) for l in range(cfg.num_layers))
         self.norm = RMSNorm(H, eps)
 
@@ -200,11 +190,10 @@ class Drafter(nn.Module):
 
     def rope_tables(self, positions, dtype) -> dict:
         """A rope_table at positions (..., N) for each RoPE base the layers use."""
-        return {theta: rope_table(positions, theta, self.config.head_dim, dtype) for theta in set(self.config.rope_thetas)}
+        return {t: rope_table(positions, t, self.config.head_dim, dtype) for t in set(self.config.rope_thetas)}
 
     def forward(self, x, positions, context, masks):
-        """Block embeddings x (..., W, H) at positions (..., W) through the layers, each with its context
-        and mask -> (..., W, H)."""
+        """Block embeddings x (..., W, H) at positions (..., W), each layer's context and mask -> (..., W, H)."""
         tables = self.rope_tables(positions, x.dtype)
         for layer, layer_context, mask in zip(self.layers, context, masks):
             x = layer(x, tables, layer_context, mask)
@@ -213,19 +202,16 @@ class Drafter(nn.Module):
 
 # -----------------------------------------------------------------------------
 # Target capture: layer outputs taken during the target's own forward
-
 class Capture:
     """Hooks on the captured target layers until close(): each forward leaves the residual stream leaving
     layer i (un-normed, before the final norm; HF hidden_states[i + 1]) in outputs[i]."""
 
     def __init__(self, target, layer_ids: list[int]):
         self.layer_ids, self.outputs, layers = list(layer_ids), {}, decoder_layers(target)
-        self.hooks = [layers[i].register_forward_hook(self.store(i)) for i in self.layer_ids]
+        self.hooks = [layers[i].register_forward_hook(functools.partial(self.store, i)) for i in self.layer_ids]
 
-    def store(self, i):
-        def hook(module, args, out):
-            self.outputs[i] = out[0] if isinstance(out, tuple) else out
-        return hook
+    def store(self, i, module, args, out):
+        self.outputs[i] = out[0] if isinstance(out, tuple) else out
 
     def features(self):
         """(..., N, n·H): the last forward's captured layers side by side, in ascending id order."""
@@ -237,18 +223,15 @@ class Capture:
 
 
 def target_forward(target, ids, start: int, cache, capture: Capture):
-    """The target on ids (N,) at positions start.., appending to its cache -> logits (N, V) and the
-    captured features (N, n·H), both from this one pass."""
+    """The target on ids (N,) at positions start.., appending to its cache -> logits (N, V), features (N, n·H)."""
     positions = torch.arange(start, start + len(ids), device=ids.device)[None]          # (1, N)
     with sdpa_kernel(TARGET_ATTENTION):
         out = target(input_ids=ids[None], position_ids=positions, use_cache=True, **{cache_kwarg(type(target)): cache})
-    features = capture.features()
-    return out.logits[0], None if features is None else features[0]
+    return out.logits[0], capture.features()[0] if capture.layer_ids else None         # (N, V), (N, n·H)
 
 
 # -----------------------------------------------------------------------------
 # Drafter block: cache the context's K/V, decode one block
-
 @dataclass
 class DraftContext:
     """Per drafter layer, context keys (after k_norm and RoPE) and values: (hk, S, d) each."""
@@ -260,7 +243,7 @@ class DraftContext:
         return self.keys[0].shape[1]
 
     @staticmethod
-    def empty(drafter: Drafter, device) -> DraftContext:
+    def empty(drafter: Drafter, device) -> "DraftContext":
         cfg, dtype = drafter.config, drafter.fc.weight.dtype
         empty = lambda: torch.empty(cfg.num_kv_heads, 0, cfg.head_dim, dtype=dtype, device=device)
         return DraftContext([empty() for _ in drafter.layers], [empty() for _ in drafter.layers])
@@ -276,8 +259,8 @@ def append_context(drafter: Drafter, ctx: DraftContext, c):
 
 
 def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
-    """Which keys each query sees: (Nq,), (Nk,) absolute positions -> (Nq, Nk) bool, or None for all.
-    A window keeps at most `window` keys ending at the query (on both sides if not causal)."""
+    """Which keys each query sees: (Nq,), (Nk,) absolute positions -> (Nq, Nk) bool, or None for all. A window
+    keeps at most `window` keys ending at the query (on both sides if not causal)."""
     if not causal and window is None:
         return None
     delta = q_pos[:, None] - k_pos[None, :]                                             # (Nq, Nk)
@@ -286,8 +269,7 @@ def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
 
 
 def draft_block(drafter: Drafter, ctx: DraftContext, block_embeds):
-    """Decode one block: embeddings (W, H) of [bonus, m, ..., m] at positions S..S+W-1 attend to the
-    cached context and to the block -> hidden states (W, H). Block K/V are used once and dropped."""
+    """Embeddings (W, H) of [bonus, m, ..., m] at S..S+W-1, attending to the context and the block -> (W, H)."""
     key_positions = torch.arange(ctx.length + len(block_embeds), device=block_embeds.device)   # (S+W,)
     positions = key_positions[ctx.length:]                                              # (W,)
     masks = [attention_mask(positions, key_positions, layer.causal, layer.window) for layer in drafter.layers]
@@ -295,15 +277,13 @@ def draft_block(drafter: Drafter, ctx: DraftContext, block_embeds):
 
 
 def propose(drafter: Drafter, ctx: DraftContext, block, target):
-    """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the argmax of the target's LM head over
-    block rows 1..W-1, embedded with the target's table. Row i predicts position S+i: no shift."""
+    """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the target's LM head argmax of rows 1..W-1, no shift."""
     hidden = draft_block(drafter, ctx, target.get_input_embeddings()(block))            # (W, H)
     return target.get_output_embeddings()(hidden[1:]).argmax(-1)                        # (W-1,)
 
 
 # -----------------------------------------------------------------------------
 # Verification: greedy, or lossless rejection sampling
-
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0   # 0: greedy, an exact argmax
@@ -343,15 +323,11 @@ def sample(dist, u):
 
 
 def verify(drafts, logits, sampling: Sampling, uniforms) -> tuple[int, int]:
-    """Accept a prefix of the drafts (k,) against target logits (k+1, V); row i is the target's
-    distribution where d_{i+1} stands. Returns (accepted drafts a, the target's next token).
-
-    Greedy (T = 0): d_i is accepted while it equals the target's argmax; the next token is the argmax
-    of row a. Sampling (T > 0) is rejection sampling with the one-hot proposal q = δ(d_i):
-    accept d_i with probability min(1, p(d_i)/q(d_i)) = p(d_i); at the first rejection draw from the
-    residual max(0, p − q)/Σ = p with d_i removed, renormalised; if all are accepted draw from p_k.
-    Exact: P(emit x) = p(d)·[x = d] + (1 − p(d))·p(x)[x ≠ d]/(1 − p(d)) = p(x) for every x, so each
-    emitted token has the target's distribution given its prefix, whatever the drafter proposed.
+    """Accept a prefix of the drafts (k,) against target logits (k+1, V), row i the target's distribution where
+    d_{i+1} stands -> (accepted a, next token). Greedy: d_i is accepted while it is the target's argmax; the next
+    token is row a's argmax. Sampling is rejection sampling with the one-hot proposal δ(d_i): accept d_i with
+    probability p(d_i); at the first rejection draw from p with d_i removed, renormalised; if all pass, from p_k.
+    Exact: P(x) = p(d)·[x = d] + (1 − p(d))·p(x)[x ≠ d]/(1 − p(d)) = p(x), whatever the drafter proposed.
     uniforms (K+1,): one per draft for acceptance, the last for the draw."""
     k = len(drafts)
     if sampling.temperature == 0:
@@ -369,7 +345,6 @@ def verify(drafts, logits, sampling: Sampling, uniforms) -> tuple[int, int]:
 
 # -----------------------------------------------------------------------------
 # Generation
-
 @dataclass
 class Generation:
     tokens: list[int]                        # generated ids (prompt excluded), trimmed at a stop
@@ -390,8 +365,7 @@ class Generation:
         return new_tokens[:stop_at + 1]
 
     @property
-    def tau(self) -> float:
-        """Mean tokens committed per verification round (bonus included)."""
+    def tau(self) -> float:   # mean tokens committed per verification round, bonus included
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
 
@@ -410,13 +384,13 @@ def check_request(target, drafter, prompt_ids, max_new_tokens, num_drafts):
 def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num_drafts: int | None = None,
              full_block: bool = True, stop_ids=(), on_tokens=None, sampling: Sampling = Sampling(),
              seed: int | None = None) -> Generation:
-    """DFlash decoding: greedy output equals the target's greedy decode; at temperature > 0 each token has
-    the target's sampling distribution. drafter=None runs the target alone through the same loop (K = 0);
-    full_block computes all B drafter rows (z-lab), else K+1; on_tokens(list[int]) gets each round's
-    tokens; seed fixes the sampling uniforms, K+1 per verification, drawn on the target's device."""
+    """DFlash decoding: greedy output equals the target's greedy decode, sampled tokens have its distribution.
+    drafter=None runs the target alone through this loop (K = 0); full_block computes all B drafter rows (z-lab),
+    else K+1; on_tokens(list[int]) gets each round's tokens; seed fixes the K+1 uniforms of each verification."""
     K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
     check_request(target, drafter, prompt_ids, max_new_tokens, K)
     device, stops = target.get_input_embeddings().weight.device, set(stop_ids)
+    on_tokens = on_tokens or (lambda tokens: None)
     generator = torch.Generator(device)
     generator.seed() if seed is None else generator.manual_seed(seed)
     uniforms = lambda: torch.rand(K + 1, generator=generator, device=device, dtype=torch.float64)  # (K+1,)
@@ -428,13 +402,12 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
         logits, features = target_forward(target, prompt, 0, cache, capture)
         _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms())   # no drafts: argmax or a draw
         out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
-        if on_tokens:
-            on_tokens([bonus])
+        on_tokens([bonus])
         if drafter is not None:
             ctx = DraftContext.empty(drafter, device)
             append_context(drafter, ctx, drafter.project_context(features))   # draft prefill: S = P
             width = drafter.config.block_size if full_block else K + 1
-            mask_ids = torch.full((width - 1,), drafter.config.mask_token_id, device=device)
+            mask_ids = torch.full((width - 1,), drafter.config.mask_token_id, device=device)   # (W-1,)
 
         start = len(prompt_ids)   # position of the bonus token; the target cache holds 0..start-1
         while bonus not in stops and len(out.tokens) < max_new_tokens:
@@ -447,21 +420,19 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
             logits, features = target_forward(target, torch.cat([bonus_id, drafts]), start, cache, capture)
             accepted, next_token = verify(drafts, logits, sampling, uniforms())         # logits (k+1, V)
             new_tokens = drafts[:accepted].tolist() + [next_token]
-            cache.crop(start + accepted + 1 - cache.get_seq_length())   # drop rejected drafts' K/V (crop(-n) drops n)
+            cache.crop(start + accepted + 1 - cache.get_seq_length())   # crop(-n) drops the n rejected drafts' K/V
             if drafter is not None:   # the accepted rows and the bonus: the context lags by one
                 append_context(drafter, ctx, drafter.project_context(features[:accepted + 1]))
             start += accepted + 1
 
             new_tokens = out.commit(drafts.tolist(), accepted, new_tokens, stops)
             bonus = new_tokens[-1]
-            if on_tokens:
-                on_tokens(new_tokens)
+            on_tokens(new_tokens)
     return out
 
 
 # -----------------------------------------------------------------------------
 # Loading and validation: checkpoints, config.json, transformers glue
-
 def read_file(path: Path, what: str, reader=lambda p: json.loads(p.read_text())):
     """reader(path), JSON by default; a missing or unreadable file ends in one line naming it."""
     try:
@@ -473,10 +444,8 @@ def read_file(path: Path, what: str, reader=lambda p: json.loads(p.read_text()))
 
 
 def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) -> DraftConfig:
-    """Resolve a drafter config.json dict, each DFlash key from `dflash_config` first, then the top
-    level. `fc_in_features` (n·H) gives n when the config lists no layer ids."""
+    """Resolve config.json, each key from `dflash_config` first, then the top level; n = fc_in_features / H."""
     nested, required = raw.get("dflash_config") or {}, object()
-
     def key(name, default=required):
         value = nested.get(name, raw.get(name))
         require(value is not None or default is not required, f"draft config: '{name}' is missing")
@@ -495,13 +464,14 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
     require(len(layer_types) == L and set(layer_types) <= {"full_attention", "sliding_attention"},
             f"draft config: 'layer_types' = {layer_types} must list {L} of full_attention/sliding_attention")
     sliding, window = [t == "sliding_attention" for t in layer_types], key("sliding_window", None)
-    require(bool(window) or not any(sliding), f"draft config: 'sliding_window' = {window!r} but layers are sliding")
+    require(bool(window) or not any(sliding),
+            f"draft config: 'sliding_window' = {window!r} but layers are sliding")
     causal = nested.get("causal", raw.get("is_causal"))   # overrides the per-layer default (sliding = causal)
     rope, thetas = raw.get("rope_parameters"), []
     for layer_type in layer_types:   # no silent default: a missing base would quietly give wrong positions
         p = rope.get(layer_type, rope) if isinstance(rope, dict) else {}   # flat, or keyed by layer type
         thetas.append(p.get("rope_theta", raw.get("rope_theta")))
-        require(thetas[-1] is not None, "draft config: 'rope_theta' is missing (in rope_parameters and at top level)")
+        require(thetas[-1] is not None, "draft config: 'rope_theta' is missing (in rope_parameters and top level)")
         require(p.get("rope_type", "default") == "default" and p.get("partial_rotary_factor", 1.0) == 1.0,
                 f"draft config: 'rope_parameters' = {p} is unsupported (only full default RoPE)")
 
@@ -509,7 +479,7 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
     require(T is None or int(T) == num_target_layers,
             f"draft config: 'num_target_layers' = {T} but the target has {num_target_layers} layers")
     layer_ids = key("target_layer_ids", None)
-    layer_ids = default_layer_ids(num_target_layers, fc_in_features // H) if layer_ids is None else list(layer_ids)
+    layer_ids = list(default_layer_ids(num_target_layers, fc_in_features // H) if layer_ids is None else layer_ids)
     require(len(layer_ids) * H == fc_in_features, f"draft weights: fc.weight input width {fc_in_features} != "
             f"n·H = {len(layer_ids)}·{H} for target_layer_ids {layer_ids}")
     require(all(0 <= i < num_target_layers for i in layer_ids), f"draft config: 'target_layer_ids' = "
@@ -537,14 +507,18 @@ def checkpoint_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
 
 
 def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) -> Drafter:
-    """Load a drafter checkpoint dir (any of the three formats of spec §6) for this target."""
-    directory = resolve_dir(path)
+    """Load a drafter checkpoint (any of the three formats of spec §6): a local dir, or a hub id fetched."""
+    try:
+        directory = Path(path) if Path(path).is_dir() else Path(huggingface_hub.snapshot_download(path))
+    except Exception as err:  # any hub failure becomes one line naming the path
+        raise DFlashError(f"checkpoint '{path}': not a local dir and not fetchable ({type(err).__name__})") from None
     raw = read_file(directory / "config.json", "draft config")
     files, index = ["model.safetensors"], directory / "model.safetensors.index.json"
     if index.exists():   # a sharded checkpoint
         files = sorted(set((read_file(index, "draft weights index").get("weight_map") or {}).values()))
         require(bool(files), f"draft weights: {index} has an empty 'weight_map'")
-    tensors = {k: v for name in files for k, v in read_file(directory / name, "draft weights", safetensors.torch.load_file).items()}
+    tensors = {k: t for name in files for k, t in read_file(directory / name, "draft weights",
+                                                             safetensors.torch.load_file).items()}
     require("fc.weight" in tensors, f"draft weights: tensor 'fc.weight' is missing in {directory}")
     tcfg, rows = target.config.get_text_config(), target.get_input_embeddings().weight.shape[0]
     cfg = load_draft_config(raw, tcfg.num_hidden_layers, tensors["fc.weight"].shape[1])
@@ -564,24 +538,14 @@ def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) 
     for l in range(cfg.num_layers if cfg.checkpoint_format == "zlab" else 0):   # stack q/k/v into qkv_proj
         prefix = f"layers.{l}.self_attn."
         tensors[prefix + "qkv_proj.weight"] = torch.cat([tensors.pop(prefix + f"{x}_proj.weight") for x in "qkv"])
-    with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            param.copy_(tensors[name])
+    drafter.load_state_dict(tensors, strict=False)   # every name checked above; Laguna's context norm is shared
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def resolve_dir(path: str) -> Path:
-    """A local checkpoint dir, or a hub id fetched into the local cache."""
-    try:
-        return Path(path) if Path(path).is_dir() else Path(huggingface_hub.snapshot_download(path))
-    except Exception as err:  # any hub failure becomes one line naming the path
-        raise DFlashError(f"checkpoint '{path}': not a local dir and not fetchable ({type(err).__name__})") from None
 
 
 def load_target(path: str, dtype: torch.dtype, device: str):
     try:   # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there
-        target = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, experts_implementation="eager" if device == "cpu" else None)
+        experts = "eager" if device == "cpu" else None
+        target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=experts)
     except (OSError, ValueError) as err:
         raise DFlashError(f"target '{path}': cannot load ({str(err).splitlines()[0]})") from None
     return target.to(device).eval()
@@ -595,8 +559,8 @@ def decoder_layers(target: nn.Module) -> nn.ModuleList:
     return layers
 
 
-# The target's SDPA kernels: cuDNN attention builds a plan for every new sequence length, about 1.5 ms of
-# host time per layer on an H200 with a mask, and decoding changes the length every round.
+# The target's SDPA kernels, cuDNN's left out: it plans every new sequence length on the host, about 1.5 ms
+# per layer with a mask on an H200, and decoding changes the length every round.
 TARGET_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -608,7 +572,6 @@ def cache_kwarg(model_class) -> str:
 
 # -----------------------------------------------------------------------------
 # CLI
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -627,7 +590,7 @@ def parse_args(argv=None):
     p.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--num-drafts", type=int, help="drafts K per step (default block_size - 1)")
-    p.add_argument("--compute-width", choices=["block", "drafts"], default="block", help="drafter rows: B (z-lab) or K+1")
+    p.add_argument("--compute-width", choices=["block", "drafts"], default="block", help="drafter rows: B or K+1")
     p.add_argument("--target-only", action="store_true", help="decode with the target alone, same loop")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples, losslessly")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
@@ -648,30 +611,22 @@ def main(argv=None, generate_fn=None):
     require(args.draft is None or args.target is not None, f"--draft = {args.draft!r} needs --target")
     require(args.target is None or args.draft is not None or args.target_only,
             f"--target = {args.target!r} needs --draft (or --target-only)")
-    ids = [t.strip() for t in (args.prompt_ids or "").split(",") if t.strip()]
-    require(all(t.lstrip("-").isdigit() for t in ids), f"--prompt-ids = {args.prompt_ids!r} must be comma-separated integers")
+    ids = None if args.prompt_ids is None else [t.strip() for t in args.prompt_ids.split(",") if t.strip()]
+    require(all(t.lstrip("-").isdigit() for t in ids or []),
+            f"--prompt-ids = {args.prompt_ids!r} must be comma-separated integers")
     target_path, draft_path = (args.target, args.draft) if args.target else offline.default_pair()
     if args.target is None:
         print(f"default pair: SmolLM2-135M-Instruct ({target_path}) with {draft_path}", file=sys.stderr)
     target = load_target(str(target_path), dtype, device)
     drafter = None if args.target_only else load_drafter(str(draft_path), target, dtype, device)
     tokenizer = offline.load_tokenizer(str(target_path))
-    require(bool(ids) or tokenizer is not None, f"target '{target_path}' has no tokenizer: pass --prompt-ids")
-    prompt_ids = [int(t) for t in ids] if ids else offline.encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
-    seen = []
-
-    def stream(tokens):   # the text as it is committed, or ids where there is no tokenizer
-        if tokenizer is None:
-            return print(" ".join(map(str, tokens)), end=" ", flush=True)
-        text_before = tokenizer.decode(seen, skip_special_tokens=True)
-        seen.extend(tokens)
-        print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
-
-    t0 = time.perf_counter()
-    gen = (generate_fn or generate)(
-        target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
-        full_block=args.compute_width == "block", stop_ids=offline.stop_token_ids(target, tokenizer),
-        on_tokens=None if args.json else stream, sampling=sampling, seed=args.seed)
+    require(ids is not None or tokenizer is not None, f"target '{target_path}' has no tokenizer: pass --prompt-ids")
+    chat = not args.no_chat
+    prompt_ids = [int(t) for t in ids] if ids is not None else offline.encode_prompt(tokenizer, args.prompt, chat)
+    t0, generate_fn = time.perf_counter(), generate_fn or generate
+    gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
+                      full_block=args.compute_width == "block", stop_ids=offline.stop_token_ids(target, tokenizer),
+                      on_tokens=None if args.json else offline.printer(tokenizer), sampling=sampling, seed=args.seed)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -679,10 +634,7 @@ def main(argv=None, generate_fn=None):
         text = tokenizer.decode(gen.tokens, skip_special_tokens=True) if tokenizer is not None else None
         return print(json.dumps({"tokens": gen.tokens, "text": text, "acceptance_lengths": gen.acceptance_lengths,
                                  "tau": gen.tau, "rounds": gen.rounds}))
-    rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
-    rows = [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", f"{gen.tau:.2f}"),
-            ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")] + ([("accept@pos", " ".join(rates))] if rates else [])
-    print("\n" + "\n".join(f"{name:>11}  {value}" for name, value in rows))
+    print("\n" + offline.stats_table(gen, seconds))
 
 
 def run_cli(main_fn, **kwargs):

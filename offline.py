@@ -141,6 +141,27 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
+def printer(tokenizer):
+    """An on_tokens callback that prints a generation as it is committed: its text, or ids without a tokenizer."""
+    seen = []
+
+    def print_tokens(tokens: list[int]):
+        if tokenizer is None:
+            return print(" ".join(map(str, tokens)), end=" ", flush=True)
+        text_before = tokenizer.decode(seen, skip_special_tokens=True)
+        seen.extend(tokens)
+        print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
+    return print_tokens
+
+
+def stats_table(gen, seconds: float) -> str:
+    """A generation's tokens, rounds, τ, speed and acceptance per draft position, as the CLI prints them."""
+    rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
+    rows = [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", f"{gen.tau:.2f}"),
+            ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")] + ([("accept@pos", " ".join(rates))] if rates else [])
+    return "\n".join(f"{name:>11}  {value}" for name, value in rows)
+
+
 def stop_token_ids(target, tokenizer) -> set[int]:
     """EOS ids from the tokenizer and the target's generation_config (an int or a list)."""
     ids = set()
