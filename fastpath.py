@@ -158,7 +158,8 @@ class DenseTarget:
         self.head_dim, self.num_kv_heads = attn.head_dim, target.config.num_key_value_heads
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb   # the model's own RoPE
         shape = (self.num_kv_heads, capacity, self.head_dim)
-        self.keys, self.values = zeros(len(self.layers), shape, self.qkv[0]), zeros(len(self.layers), shape, self.qkv[0])
+        self.keys = zeros(len(self.layers), shape, self.qkv[0])                         # T × (hk, C, d)
+        self.values = zeros(len(self.layers), shape, self.qkv[0])
         self.key_positions = torch.arange(capacity, device=self.qkv[0].device)          # (C,)
 
     def forward(self, ids, positions):
@@ -211,8 +212,7 @@ class ModelTarget:
             layer.cumulative_length.copy_(positions[0])
         out = self.target(input_ids=ids[None], position_ids=positions[None], use_cache=True,
                           **{self.cache_kwarg: self.cache})
-        features = self.capture.features()
-        return out.logits[0], None if features is None else features[0]
+        return out.logits[0], self.capture.features()[0] if self.capture.layer_ids else None
 
     def close(self):
         self.capture.close()
@@ -336,7 +336,8 @@ class Decoder:
 
     def __init__(self, target, drafter: Drafter | None, capacity: int, num_drafts: int, full_block: bool = True,
                  sampling: Sampling = Sampling()):
-        self.target, self.drafter, self.capacity, self.K, self.sampling = target, drafter, capacity, num_drafts, sampling
+        self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.capacity, self.K = capacity, num_drafts
         self.device, K = target.get_input_embeddings().weight.device, num_drafts
         layer_ids = [] if drafter is None else drafter.config.target_layer_ids
         self.target_stack = (DenseTarget if DenseTarget.supports(target) else ModelTarget)(target, layer_ids, capacity)
@@ -451,7 +452,7 @@ class Decoder:
         dflash.check_request(self.target, self.drafter, prompt_ids, max_new_tokens, K)
         dflash.require(len(prompt_ids) + max_new_tokens + K <= self.capacity, f"prompt + max_new_tokens + K = "
                        f"{len(prompt_ids)} + {max_new_tokens} + {K} exceeds the buffer capacity {self.capacity}")
-        stops, generator = set(stop_ids), torch.Generator(self.device)
+        stops, generator, on_tokens = set(stop_ids), torch.Generator(self.device), on_tokens or (lambda tokens: None)
         generator.seed() if seed is None else generator.manual_seed(seed)
         # A kernel outside the graphs, with no sync: the graphs read the buffer.
         draw_uniforms = lambda: torch.rand(K + 1, generator=generator, device=self.device, dtype=torch.float64,
@@ -459,8 +460,7 @@ class Decoder:
         draw_uniforms()
         bonus = self.prefill(prompt_ids)
         out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
-        if on_tokens:
-            on_tokens([bonus])
+        on_tokens([bonus])
         while bonus not in stops and len(out.tokens) < max_new_tokens:
             k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
             buf.max_accept.fill_(k)
@@ -472,8 +472,7 @@ class Decoder:
 
             new_tokens = out.commit(drafts, accepted, new_tokens, stops)
             bonus = new_tokens[-1]
-            if on_tokens:
-                on_tokens(new_tokens)
+            on_tokens(new_tokens)
         return out
 
 
