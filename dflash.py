@@ -259,11 +259,11 @@ def append_context(drafter: Drafter, ctx: DraftContext, c):
 
 
 def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
-    """Which keys each query sees: (Nq,), (Nk,) absolute positions -> (Nq, Nk) bool, or None for all. A window
-    keeps at most `window` keys ending at the query (on both sides if not causal)."""
+    """Which keys each query sees: (..., Nq), (..., Nk) absolute positions -> (..., Nq, Nk) bool, or None for
+    all. A window keeps at most `window` keys ending at the query (on both sides if not causal)."""
     if not causal and window is None:
         return None
-    delta = q_pos[:, None] - k_pos[None, :]                                             # (Nq, Nk)
+    delta = q_pos[..., :, None] - k_pos[..., None, :]                                   # (..., Nq, Nk)
     visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
     return visible if window is None else visible & (delta < window) & (delta > -window)
 

@@ -134,8 +134,9 @@ def fuse_drafter(drafter: Drafter) -> FusedDrafter:
 
 class DenseTarget:
     """A Llama/Qwen3 decoder stack run here: one [q;k;v] and one [gate;up] matmul per layer, K/V in
-    static per-layer (hk, C, d) buffers, attention by `attend`. Embedding, norms, rotary embedding,
-    o/down projections and LM head are the model's own modules, so the math is the model's."""
+    static per-layer (Bt, hk, C, d) buffers (Bt = 1 for a Decoder; train.BatchDecoder decodes many
+    rows), attention by `attend`. Embedding, norms, rotary embedding, o/down projections and LM head
+    are the model's own modules, so the math is the model's."""
 
     @staticmethod
     def supports(target) -> bool:
@@ -149,7 +150,7 @@ class DenseTarget:
                 and getattr(cfg, "pretraining_tp", 1) == 1
                 and all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or []))
 
-    def __init__(self, target, layer_ids: list[int], capacity: int):
+    def __init__(self, target, layer_ids: list[int], capacity: int, batch_size: int = 1):
         self.target, self.layer_ids = target, layer_ids
         self.layers = target.model.layers
         self.qkv = [fused_weight([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
@@ -157,34 +158,46 @@ class DenseTarget:
         attn = self.layers[0].self_attn
         self.head_dim, self.num_kv_heads = attn.head_dim, target.config.num_key_value_heads
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb   # the model's own RoPE
-        shape = (self.num_kv_heads, capacity, self.head_dim)
-        self.keys = zeros(len(self.layers), shape, self.qkv[0])                         # T × (hk, C, d)
-        self.values = zeros(len(self.layers), shape, self.qkv[0])
+        shape = (batch_size, self.num_kv_heads, capacity, self.head_dim)
+        self.batch_keys = zeros(len(self.layers), shape, self.qkv[0])                   # T × (Bt, hk, C, d)
+        self.batch_values = zeros(len(self.layers), shape, self.qkv[0])
+        self.keys = [k[0] for k in self.batch_keys]                                     # T × (hk, C, d) of row 0
+        self.values = [v[0] for v in self.batch_values]
         self.key_positions = torch.arange(capacity, device=self.qkv[0].device)          # (C,)
 
     def forward(self, ids, positions):
-        """ids (N,) at positions (N,) -> logits (N, V), captured features (N, n·H)."""
-        model, N, d, hk = self.target.model, len(ids), self.head_dim, self.num_kv_heads
-        x = model.embed_tokens(ids)                                                     # (N, H)
-        cos, sin = (t[0] for t in model.rotary_emb(x[None], positions[None]))           # (N, d)
-        mask = self.key_positions[None] <= positions[:, None]                           # (N, C) causal
+        """One sequence, as the Decoder runs it: ids (N,) at positions (N,), its K/V written at those
+        positions -> logits (N, V), captured features (N, n·H)."""
+        visible = self.key_positions[None] <= positions[:, None]                        # (N, C) causal
+        hidden, features = self.rows(ids[None], positions[None], positions, visible[None])
+        return self.target.lm_head(hidden[0]), None if features is None else features[0]
+
+    def rows(self, ids, positions, slots, visible):
+        """Bt rows at once: ids (Bt, N) at positions (Bt, N), their K/V written at buffer slots (N,) of
+        every row; each query sees the first S slots where visible (Bt, N, S) -> final-normed hidden
+        states (Bt, N, H) and captured features (Bt, N, n·H)."""
+        model, (Bt, N), d, hk = self.target.model, ids.shape, self.head_dim, self.num_kv_heads
+        S = visible.shape[-1]
+        x = model.embed_tokens(ids)                                                     # (Bt, N, H)
+        cos, sin = model.rotary_emb(x, positions)                                       # (Bt, N, d)
         captured = {}
         for l, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = (layer.input_layernorm(x) @ self.qkv[l].T).split(
                 [self.qkv[l].shape[0] - 2 * hk * d, hk * d, hk * d], dim=-1)
-            q, k, v = q.view(N, -1, d), k.view(N, hk, d), v.view(N, hk, d)
+            q, k, v = q.view(Bt, N, -1, d), k.view(Bt, N, hk, d), v.view(Bt, N, hk, d)
             if hasattr(attn, "q_norm"):   # Qwen3 normalises q and k per head before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.apply_rotary(q, k, cos, sin)                                    # cos, sin as (N, 1, d)
-            self.keys[l].index_copy_(1, positions, k.transpose(0, 1))
-            self.values[l].index_copy_(1, positions, v.transpose(0, 1))
-            x = x + attn.o_proj(attend(q, self.keys[l], self.values[l], mask, attn.scaling))
+            q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=2)                   # cos, sin as (Bt, N, 1, d)
+            self.batch_keys[l].index_copy_(2, slots, k.transpose(1, 2))
+            self.batch_values[l].index_copy_(2, slots, v.transpose(1, 2))
+            o = attend(q, self.batch_keys[l][:, :, :S], self.batch_values[l][:, :, :S], visible, attn.scaling)
+            x = x + attn.o_proj(o)
             gate, up = (layer.post_attention_layernorm(x) @ self.gate_up[l].T).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                    # (N, H)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                    # (Bt, N, H)
             captured[l] = x
         features = torch.cat([captured[i] for i in self.layer_ids], -1) if self.layer_ids else None
-        return self.target.lm_head(model.norm(x)), features                             # (N, V), (N, n·H)
+        return model.norm(x), features                                                  # (Bt, N, H), (Bt, N, n·H)
 
     def close(self):
         pass
@@ -241,18 +254,19 @@ def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
 
 
 def attend(q, keys, values, mask, scale: float):
-    """Masked softmax attention of q (N, h, d) over keys/values (hk, S, d), mask (N, S) -> (N, h·d).
-    The g query heads of each K/V head are stacked as rows, so K/V are read once and never repeated.
-    As transformers' eager attention: scores in the working dtype, softmax in fp32. Compiled, this is
-    two batched matmuls and a fused masked softmax, for any S."""
-    N, h, d = q.shape
-    hk, S, g = keys.shape[0], keys.shape[1], h // keys.shape[0]
-    q = q.view(N, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * N, d)                 # (hk, g·N, d)
-    scores = (q @ keys.transpose(1, 2)) * scale                                        # (hk, g·N, S)
-    scores = scores.view(hk, g, N, S).masked_fill(~mask, float("-inf"))                # (hk, g, N, S)
-    p = scores.softmax(-1, dtype=torch.float32).to(values.dtype).view(hk, g * N, S)
-    o = p @ values                                                                      # (hk, g·N, d)
-    return o.view(hk, g, N, d).permute(2, 0, 1, 3).reshape(N, h * d)                   # (N, h·d)
+    """Masked softmax attention of q (*, N, h, d) over keys/values (*, hk, S, d), mask (*, N, S) -> (*, N, h·d),
+    for any leading batch dims *. The g query heads of each K/V head are stacked as rows, so K/V are read
+    once and never repeated. As transformers' eager attention: scores in the working dtype, softmax in
+    fp32. Compiled, this is two batched matmuls and a fused masked softmax, for any S."""
+    *batch, N, h, d = q.shape
+    hk, S = keys.shape[-3], keys.shape[-2]
+    g = h // hk
+    q = q.reshape(*batch, N, hk, g, d).movedim(-4, -2).reshape(*batch, hk, g * N, d)    # (*, hk, g·N, d)
+    scores = (q @ keys.transpose(-1, -2)) * scale                                       # (*, hk, g·N, S)
+    scores = scores.view(*batch, hk, g, N, S).masked_fill(~mask[..., None, None, :, :], float("-inf"))
+    p = scores.softmax(-1, dtype=torch.float32).to(values.dtype).view(*batch, hk, g * N, S)
+    o = p @ values                                                                      # (*, hk, g·N, d)
+    return o.view(*batch, hk, g, N, d).movedim(-2, -4).reshape(*batch, N, h * d)        # (*, N, h·d)
 
 
 def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
