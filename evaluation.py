@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 import time
@@ -107,6 +108,39 @@ def plot_eval(results: dict[str, dict], path: Path) -> bool:
     top = max(max(results[n]["tau"], results[n]["speedup"]) for n in names)
     right.set(title="τ and wall-clock speedup", ylim=(0, 1.3 * top))   # headroom for the legend
     right.legend(loc="upper center", ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def blocks_seen(log: dict) -> list[int]:
+    """Training blocks seen after each step of a training.json history: the per-step count where the
+    history records it, else batch_size × anchors per step (histories written before it did, when
+    every sequence had that many blocks, padding included)."""
+    per_step = log["args"]["batch_size"] * log["args"]["anchors"]
+    return list(itertools.accumulate(h.get("blocks", per_step) for h in log["history"]))
+
+
+def plot_training(logs: dict[str, dict], path: Path) -> bool:
+    """Held-out τ against training blocks seen, one line per phase, the phases end to end (each
+    continued from the one before). Returns False where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    start = 0
+    for name, log in logs.items():
+        seen = blocks_seen(log)
+        points = [(start + seen[i], h["heldout_tau"]) for i, h in enumerate(log["history"]) if "heldout_tau" in h]
+        ax.plot([x / 1e6 for x, _ in points], [y for _, y in points], marker="o", label=name)
+        start += seen[-1]
+    ax.set(xlabel="training blocks seen (millions, all phases)", ylabel="held-out τ (walked rounds)",
+           title="held-out τ by phase")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1193,12 +1193,12 @@ def test_fastpath_sampling_on_cuda_with_graphs(checkpoints, tmp_path):
 # -----------------------------------------------------------------------------
 # The layout: no file imports one above it
 
-FLOORS = ["offline", "dflash", "fastpath", "train", "evaluation", "bench"]   # each imports only files to its left
+FLOORS = ["offline", "dflash", "fastpath", "train", "evaluation", "bench", "bench_train"]   # each imports only files to its left
 
 
 def test_files_import_only_files_below_them():
     """The project's files form floors: offline.py, dflash.py, fastpath.py, train.py, evaluation.py,
-    bench.py; each imports only files on a lower floor, so there is no circle and dflash.py imports
+    bench.py, bench_train.py; each imports only files on a lower floor, so there is no circle and dflash.py imports
     neither the recipe nor the twin. Imports inside functions count too."""
     import ast
     for floor, name in enumerate(FLOORS):
@@ -1239,27 +1239,32 @@ def test_blocks_use_same_position_labels():
     seq = train.Sequence(torch.arange(10, 30), prompt_len=6)                       # N = 20
     g = torch.Generator().manual_seed(0)
     blocks = train.make_blocks([seq], 10, 4, MASK, g)
-    for j, a in enumerate(blocks.anchors[0].tolist()):
+    assert len(blocks.anchors) == 10 and (blocks.sequence == 0).all()
+    for j, a in enumerate(blocks.anchors.tolist()):
         assert 6 <= a <= 18
-        rows = slice(4 * j, 4 * j + 4)
-        assert blocks.block_ids[0, rows].tolist() == [10 + a, MASK, MASK, MASK]
+        assert blocks.block_ids[j].tolist() == [10 + a, MASK, MASK, MASK]
         want = [train.IGNORE] + [10 + a + k if a + k < 20 else train.IGNORE for k in (1, 2, 3)]
-        assert blocks.labels[0, rows].tolist() == want
+        assert blocks.labels[j].tolist() == want
     full = train.make_blocks([seq], 20, 4, MASK, full_only=True)
-    assert full.anchors[0].tolist() == list(range(6, 17)) + [0] * 9                # every a ≤ N - B, then padding
-    assert (full.labels.view(-1, 4)[:11, 1:] != train.IGNORE).all()
+    assert full.anchors.tolist() == list(range(6, 17))                             # every a ≤ N - B
+    assert (full.labels[:, 1:] != train.IGNORE).all()
+    own = torch.arange(100, 120)[None]                                             # labels given per position
+    relabelled = train.make_blocks([seq], 20, 4, MASK, full_only=True, labels=own)
+    assert relabelled.labels[:, 1:].tolist() == [[100 + a + k for k in (1, 2, 3)] for a in range(6, 17)]
+    assert torch.equal(relabelled.block_ids, full.block_ids)
 
 
 def test_anchors_are_resampled_and_padded():
-    """Each draw picks new random anchors; a short response gets padding anchors with no labels."""
+    """Each draw picks new random anchors; a short response gives only the blocks it has, and the
+    blocks of several sequences follow one another, each naming its sequence."""
     seq = train.Sequence(torch.arange(40), prompt_len=4)
     g = torch.Generator().manual_seed(0)
-    draws = [train.make_blocks([seq], 6, 4, MASK, g).anchors[0].tolist() for _ in range(3)]
+    draws = [train.make_blocks([seq], 6, 4, MASK, g).anchors.tolist() for _ in range(3)]
     assert len({tuple(d) for d in draws}) == 3 and all(d == sorted(d) for d in draws)
     short = train.Sequence(torch.arange(7), prompt_len=4)                          # anchors 4, 5 only
-    blocks = train.make_blocks([short], 4, 4, MASK, g)
-    assert blocks.anchors[0].tolist() == [4, 5, 0, 0]
-    assert (blocks.labels[0, 8:] == train.IGNORE).all()
+    blocks = train.make_blocks([seq, short], 4, 4, MASK, g)
+    assert blocks.sequence.tolist() == [0, 0, 0, 0, 1, 1] and blocks.anchors[4:].tolist() == [4, 5]
+    assert blocks.labels[4:].tolist() == [[train.IGNORE, 5, 6, train.IGNORE], [train.IGNORE, 6, train.IGNORE, train.IGNORE]]
 
 
 def test_loss_weights_follow_gamma_rule():
@@ -1281,37 +1286,41 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
                                   torch.float64, "cpu")
     B, N = 4, 14
     c = torch.randn(2, N, H, dtype=torch.float64)                                  # (Bt, N, H)
-    anchors = torch.tensor([[0, 3, 5, 11], [2, 4, 7, 8]])                          # (Bt, A)
-    x = torch.randn(2, 4 * B, H, dtype=torch.float64)                              # (Bt, R, H)
-    packed = train.packed_forward(drafter, c, x, anchors)
-    for b in range(2):
-        for j, a in enumerate(anchors[b].tolist()):
-            want = dflash.draft_block(drafter, context_of(drafter, c[b, :a]), x[b, j * B:(j + 1) * B])
-            torch.testing.assert_close(packed[b, j * B:(j + 1) * B], want, rtol=1e-10, atol=1e-10)
+    sequence = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1])                           # (M,)
+    anchors = torch.tensor([0, 3, 5, 11, 2, 4, 7, 8, 10])                          # (M,)
+    x = torch.randn(len(anchors), B, H, dtype=torch.float64)                       # (M, B, H)
+    packed = train.packed_forward(drafter, c, x, sequence, anchors)                # (M, B, H)
+    for j, (b, a) in enumerate(zip(sequence.tolist(), anchors.tolist())):
+        want = dflash.draft_block(drafter, context_of(drafter, c[b, :a]), x[j])
+        torch.testing.assert_close(packed[j], want, rtol=1e-10, atol=1e-10)
     moved = x.clone()
-    moved[0, B:2 * B] += 1.0                                                       # block 1 of sequence 0
-    changed = (train.packed_forward(drafter, c, moved, anchors) - packed).abs().amax(-1) > 1e-12   # (Bt, R)
-    assert changed[0, B:2 * B].all() and not changed[0, :B].any() and not changed[0, 2 * B:].any()
-    assert not changed[1].any()
+    moved[1] += 1.0                                                                # block 1 of sequence 0
+    changed = (train.packed_forward(drafter, c, moved, sequence, anchors) - packed).abs().amax(-1) > 1e-12   # (M, B)
+    assert changed[1].all() and not changed[0].any() and not changed[2:].any()
 
 
 def test_batched_capture_equals_one_sequence_at_a_time(tiny):
     """The padded batch pass gives each sequence's features at its real positions exactly as a pass
     over that sequence alone (the context the drafter sees at inference)."""
     _, target, sequences = tiny
-    blocks = train.make_blocks(sequences[:5], 2, 4, MASK)
+    ids, lengths = train.pad_sequences(sequences[:5])
     layer_ids = [1, 2, 4]
-    features = train.capture_features(target, blocks, layer_ids, torch.float32)       # (Bt, N, n·H)
-    assert features.shape == (5, int(blocks.lengths.max()), 3 * H)
+    features, labels = train.capture_features(target, ids, lengths, layer_ids, torch.float32)   # (Bt, N, n·H), (Bt, N)
+    assert features.shape == (5, int(lengths.max()), 3 * H)
     for b, seq in enumerate(sequences[:5]):
         with torch.no_grad():
-            _, alone = forward_with_capture(target, seq.ids, layer_ids)
+            logits, alone = forward_with_capture(target, seq.ids, layer_ids)
         torch.testing.assert_close(features[b, :len(seq.ids)], alone, rtol=1e-5, atol=1e-5)
+        # the target's own label of position p is its argmax at p - 1: the greedy text itself here
+        assert labels[b, 1:len(seq.ids)].tolist() == logits[:-1].argmax(-1).tolist()
+        assert labels[b, seq.prompt_len:len(seq.ids)].tolist() == seq.ids[seq.prompt_len:].tolist()
+        assert labels[b, 0] == train.IGNORE and (labels[b, len(seq.ids):] == train.IGNORE).all()
 
 
 def test_time_budget_refits_the_schedule():
     """At the measured pace the plan shrinks to what fits the budget, warm-up with it; a faster pace
-    later lets it grow back, never past the planned steps; a run over budget stops where it is."""
+    later lets it grow back, never past the planned steps; a run over budget stops where it is; the
+    seconds spent capturing features do not count as the pace of a step."""
     class Bar:
         total = 1000
     plan = {"planned": 1000, "total": 1000, "warmup": 40}
@@ -1323,6 +1332,9 @@ def test_time_budget_refits_the_schedule():
     assert plan["total"] == 1000                                          # the plan caps it
     train.fit_to_budget(plan, 100, 70.0, train.TrainConfig(time_budget=60.0), Bar)
     assert plan["total"] == 100                                           # over already: stop here
+    plan = {"planned": 5000, "total": 5000, "warmup": 200}
+    train.fit_to_budget(plan, 25, 45.0, train.TrainConfig(time_budget=150.0), Bar, overhead=40.0)
+    assert plan["total"] == 25 + 525                                      # 0.2 s per step once the capture is left out
 
 
 def test_distill_batches_equal_single_greedy(tiny, monkeypatch):
@@ -1342,6 +1354,135 @@ def test_distill_batches_equal_single_greedy(tiny, monkeypatch):
     stop = response[3]
     (stopped,) = train.distill_ids(target, [prompt], 20, pad_id=0, stop_ids={stop})
     assert stopped.ids[stopped.prompt_len:].tolist() == response[:response.index(stop) + 1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batch_decoder_equals_hf_greedy_prompt_by_prompt(tmp_path, family):
+    """Many prompts of different lengths decoded together (left-padded, one slot counter, attention
+    spans in buckets) give each prompt exactly HF's own greedy decode of it alone, float64; a stop
+    token ends a row right after its first occurrence while the others run on."""
+    target = dflash.load_target(str(write_target(tmp_path / family, family)), torch.float64, "cpu")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9, 1, 33)]
+    decoder = train.BatchDecoder(target, batch_size=8, capacity=120)
+    decoder.BUCKET = 16                                                            # several spans, as on the GPU
+    got = decoder.generate(prompts, 60)
+    for prompt, response in zip(prompts, got):
+        assert_same_tokens(response, hf_greedy(target, prompt, 60))
+    stop = got[2][7]
+    stopped = decoder.generate(prompts, 60, stop_ids={stop})
+    for response, full in zip(stopped, got):
+        assert response == (full[:full.index(stop) + 1] if stop in full else full)
+    with pytest.raises(DFlashError, match="exceeds capacity 120"):
+        decoder.generate(prompts, 81)
+
+
+def test_batch_decoder_samples_from_the_target_distribution(tiny):
+    """At temperature T each row's token is a draw from softmax(logits / T): over 3,000 rows with
+    the same prompt the frequencies match the target's distribution, and a seed reproduces them."""
+    _, target, sequences = tiny
+    prompt = sequences[0].ids[:sequences[0].prompt_len].tolist()
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([prompt])).logits[0, -1].double()  # (V,)
+    decoder = train.BatchDecoder(target, batch_size=3000, capacity=16)
+    for temperature in (1.0, 0.6):
+        drawn = [r[0] for r in decoder.generate([prompt] * 3000, 1, temperature=temperature, seed=1)]
+        frequencies = torch.bincount(torch.tensor(drawn), minlength=VOCAB).double() / 3000
+        total_variation = 0.5 * (frequencies - (logits / temperature).softmax(-1)).abs().sum()
+        assert total_variation < 0.08, (temperature, total_variation)              # observed 0.04-0.05
+        assert drawn == [r[0] for r in decoder.generate([prompt] * 3000, 1, temperature=temperature, seed=1)]
+    assert [r[0] for r in decoder.generate([prompt] * 4, 1)] == [int(logits.argmax())] * 4
+
+
+def test_frozen_head_cross_entropy_equals_full_logits():
+    """The chunked loss through the frozen head equals the weighted cross-entropy of the whole
+    logits matrix, value and gradient, with chunks that do not divide the rows."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    head = torch.randn(30, 8, dtype=torch.float64, generator=g)
+    labels, w = torch.randint(0, 30, (50,), generator=g), torch.rand(50, dtype=torch.float64, generator=g)
+    loss = train.FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7)
+    (grad,) = torch.autograd.grad(2 * loss, hidden)
+    full = hidden.detach().requires_grad_(True)
+    want = (w * F.cross_entropy(full @ head.T, labels, reduction="none")).sum()
+    (want_grad,) = torch.autograd.grad(2 * want, full)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):
+    """Training on features captured once (whole set, or shards of a few sequences) gives the same
+    loss, step by step, as running the frozen target on every step's batch (float64)."""
+    path, _, sequences = tiny
+    target = dflash.load_target(str(path), torch.float64, "cpu")
+    runs = {}
+    for name, store, cache_tokens in [("live", train.LiveFeatures, None), ("cached", train.CachedFeatures, None),
+                                      ("sharded", train.CachedFeatures, 120)]:
+        _, drafter = fresh_drafter(target)
+        drafter.double()
+        cfg = train.TrainConfig(epochs=2, batch_size=4, anchors=6, lr=3e-3, eval_every=100, cache_tokens=cache_tokens)
+        runs[name] = [h["loss"] for h in train.train(target, drafter, sequences[:16], [], cfg, progress=False,
+                                                     store=store)]
+    assert len(runs["live"]) == 8 and runs["live"][-1] < runs["live"][0]
+    assert runs["cached"] == pytest.approx(runs["live"], rel=1e-10)
+    assert len(train.shards(list(range(16)), sequences[:16], 120)) > 2
+    _, drafter = fresh_drafter(target)
+    cfg = train.TrainConfig(epochs=2, batch_size=4, anchors=6, lr=3e-3, eval_every=100, cache_tokens=120)
+    live_sharded = [h["loss"] for h in train.train(target, drafter.double(), sequences[:16], [], cfg, progress=False,
+                                                   store=train.LiveFeatures)]
+    assert runs["sharded"] == pytest.approx(live_sharded, rel=1e-10)
+
+
+def test_training_prompts_leave_out_the_evaluation_sets(monkeypatch):
+    """A ShareGPT turn that is an MT-Bench or HumanEval prompt, even re-spaced or re-cased, is left
+    out of the training prompts; the others keep their indices."""
+    class Tok:
+        chat_template = "x"
+    monkeypatch.setattr(train, "encode_chat", lambda tokenizer, text: text.split())
+    monkeypatch.setattr(offline, "read_sharegpt", lambda all_turns=False: ["keep me", "  Write A  POEM ", "too " * 9, "and me"])
+    prompts, indices = train.sharegpt_prompts(Tok(), None, 5, set(), True, {train.normalized("write a poem")})
+    assert (prompts, indices) == (["keep me", "and me"], [0, 3])
+
+
+def test_heldout_split_keeps_every_answer_to_a_heldout_prompt_out_of_training():
+    """The held-out set is the greedy answers to the last prompts answered greedily; the sampled
+    answers to those prompts do not train either."""
+    seqs = [train.Sequence(torch.arange(k + 3), 1) for k in range(6)]
+    meta = {"prompt_indices": [10, 11, 12, 10, 11, 12], "temperatures": [0.0, 0.0, 0.0, 0.8, 0.8, 0.8]}
+    training, heldout, held = train.heldout_split(seqs, meta, 2)
+    assert held == [11, 12] and heldout == [seqs[1], seqs[2]] and training == [seqs[0], seqs[3]]
+    with pytest.raises(DFlashError, match=r"--heldout = 3 must be in 0\.\.2"):
+        train.heldout_split(seqs, meta, 3)
+
+
+def test_prompt_file_round_trips_and_a_bad_one_is_named(tmp_path):
+    train.write_prompt_file(tmp_path / "p.json.xz", ["a", "b"], [3, 7], {"max_prompt_tokens": 256})
+    assert train.read_prompt_file(tmp_path / "p.json.xz") == (["a", "b"], [3, 7], {"max_prompt_tokens": 256})
+    (tmp_path / "bad.json.xz").write_text("{}")
+    with pytest.raises(DFlashError, match=r"prompt file: .*bad\.json\.xz is not xz-compressed JSON"):
+        train.read_prompt_file(tmp_path / "bad.json.xz")
+    with pytest.raises(DFlashError, match="not found"):
+        train.read_prompt_file(tmp_path / "none.json.xz")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batch_decoder_on_cuda_with_graphs(tmp_path, family):
+    """On CUDA every bucket's step is a captured graph: in fp32 the graphed rows equal HF greedy
+    prompt by prompt; sampled rows replay with new draws every step and reproduce for one seed."""
+    target = dflash.load_target(str(write_target(tmp_path / family, family)), torch.float32, "cuda")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9, 1, 33)]
+    decoder = train.BatchDecoder(target, batch_size=8, capacity=120)
+    decoder.BUCKET = 16
+    got = decoder.generate(prompts, 60)
+    assert len(decoder.graphs) >= 4                                                # one per span bucket used
+    for prompt, response in zip(prompts, got):
+        assert_same_tokens(response, hf_greedy(target, prompt, 60))
+    sampled = decoder.generate(prompts, 60, temperature=1.0, seed=3)
+    assert sampled == decoder.generate(prompts, 60, temperature=1.0, seed=3) and sampled != got
+    assert len({tuple(r) for r in decoder.generate([prompts[0]] * 8, 20, temperature=1.0, seed=4)}) > 1
 
 
 def test_sequences_round_trip_compactly(tiny, tmp_path):
@@ -1384,7 +1525,8 @@ def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(tiny, tmp_path):
 
     def fixed_loss():
         with torch.no_grad():
-            features = train.capture_features(target, fixed, drafter.config.target_layer_ids, torch.float32)
+            features, _ = train.capture_features(target, fixed.ids, fixed.lengths, drafter.config.target_layer_ids,
+                                                 torch.float32)
             return train.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
                                     weights).item()
 
@@ -1510,7 +1652,7 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
                         str(tmp_path / "e"), "--heldout", "99", "--mask-token-id", "1", "--device", "cpu")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1] == "error: --heldout = 99 must be in 0..23 (" \
-        f"{tmp_path / 'data.pt'} has 24 sequences)"
+        f"{tmp_path / 'data.pt'} has 24 greedy answers)"
 
 
 
@@ -1613,6 +1755,21 @@ def test_real_sharegpt_yields_many_prompts():
     every = offline.read_sharegpt(all_turns=True)
     assert every[:len(prompts)] == prompts and len(every) > 3 * len(prompts)
     assert len(set(every)) == len(every)
+
+
+@pytest.mark.package
+def test_no_evaluation_prompt_is_in_the_training_prompts(monkeypatch):
+    """Among every ShareGPT user turn that training may use, none is an MT-Bench or HumanEval prompt
+    (compared with case and spacing folded). Prompt lengths do not matter here, so they are not
+    tokenized."""
+    excluded = train.evaluation_prompts()
+    assert len(excluded) == 80 + 164
+    class Tok:
+        chat_template = "x"
+    monkeypatch.setattr(train, "encode_chat", lambda tokenizer, text: [0])
+    prompts, _ = train.sharegpt_prompts(Tok(), None, 1, set(), True, excluded)
+    assert len(prompts) > 50_000
+    assert not {train.normalized(p) for p in prompts} & excluded
 
 
 @pytest.mark.package

