@@ -138,8 +138,8 @@ def plot_training(logs: dict[str, dict], path: Path) -> bool:
         points = [(start + seen[i], h["heldout_tau"]) for i, h in enumerate(log["history"]) if "heldout_tau" in h]
         ax.plot([x / 1e6 for x, _ in points], [y for _, y in points], marker="o", label=name)
         start += seen[-1]
-    ax.set(xlabel="training blocks seen (millions, all phases)", ylabel="held-out τ (walked rounds)",
-           title="held-out τ by phase")
+    ax.set(xlabel="training blocks seen (millions, all phases)", ylabel="held-out τ",
+           title="held-out τ by phase (each phase on its own held-out answers)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
