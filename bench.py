@@ -182,6 +182,7 @@ def main():
     p.add_argument("--profile-eager", action="store_true",
                    help="also profile the eager rows: a dflash.py step and an HF generate token")
     args = p.parse_args()
+    dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
     skip = set(args.skip.split(","))
     shape = SHAPES[args.shape]
     target, drafter = build_pair(shape)
@@ -270,4 +271,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    dflash.run_cli(main)

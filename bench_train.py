@@ -172,6 +172,7 @@ def main():
     p.add_argument("--skip", default="", help="comma-separated: distill, hf (its HF generate row), train")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
+    dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
     if args.target:
         target = dflash.load_target(args.target, torch.bfloat16, "cuda")
     else:
@@ -219,4 +220,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    dflash.run_cli(main)

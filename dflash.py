@@ -371,6 +371,9 @@ class Generation:
 
 def check_request(target, drafter, prompt_ids, max_new_tokens, num_drafts):
     require(len(prompt_ids) > 0, "prompt: empty (needs at least one token)")
+    rows = target.get_input_embeddings().weight.shape[0]
+    outside = [t for t in prompt_ids if not 0 <= t < rows]
+    require(not outside, f"prompt ids {outside[:3]} are outside the target's vocabulary 0..{rows - 1}")
     require(max_new_tokens >= 1, f"max_new_tokens = {max_new_tokens} must be at least 1")
     limit = target.config.get_text_config().max_position_embeddings
     require(len(prompt_ids) + max_new_tokens <= limit, f"prompt + max_new_tokens = {len(prompt_ids)} + "
@@ -578,6 +581,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
     """The CLIs' defaults: cuda if available, else cpu; bfloat16 on CUDA, float32 elsewhere."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise DFlashError(f"--device = {device!r} is not a device torch knows (cpu, cuda, cuda:N, ...)") from None
+    require(kind != "cuda" or torch.cuda.is_available(), f"--device = {device!r}: CUDA is not available here")
     return device, DTYPES[dtype] if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 

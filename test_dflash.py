@@ -818,7 +818,8 @@ def test_cli_json_matches_generate(checkpoints, targets, tmp_path):
 
 
 def test_cli_bad_input_is_one_line_exit_2(checkpoints, tmp_path):
-    """K out of range and a missing target dir end in one `error:` line naming the value, exit code 2."""
+    """K out of range, a missing target dir, prompt ids outside the vocabulary, an unknown device and
+    CUDA where there is none end in one `error:` line naming the value, exit code 2."""
     draft = write_drafter(tmp_path / "d", "zlab")
     result = run_cli("--target", str(checkpoints["qwen3"]), "--draft", str(draft), "--prompt-ids", "1,2",
                      "--num-drafts", "9", "--device", "cpu")
@@ -828,6 +829,29 @@ def test_cli_bad_input_is_one_line_exit_2(checkpoints, tmp_path):
     missing = run_cli("--target", str(tmp_path / "nowhere"), "--draft", str(draft), "--device", "cpu")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "nowhere" in missing.stderr
+    for flags, message in [(["--prompt-ids", "1,99999999"], "error: prompt ids [99999999] are outside the target's "
+                             f"vocabulary 0..{VOCAB - 1}"),
+                            (["--prompt-ids=-5,2"], f"error: prompt ids [-5] are outside the target's vocabulary "
+                             f"0..{VOCAB - 1}"),
+                            (["--prompt-ids", "1", "--device", "tpu"],
+                             "error: --device = 'tpu' is not a device torch knows (cpu, cuda, cuda:N, ...)")]:
+        bad = run_cli("--target", str(checkpoints["qwen3"]), "--draft", str(draft), "--device", "cpu", *flags)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert bad.stderr.strip().splitlines()[-1] == message
+    if not torch.cuda.is_available():
+        bad = run_cli("--target", str(checkpoints["qwen3"]), "--draft", str(draft), "--prompt-ids", "1",
+                      "--device", "cuda")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert bad.stderr.strip().splitlines()[-1] == "error: --device = 'cuda': CUDA is not available here"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+@pytest.mark.parametrize("script", ["bench.py", "bench_train.py"])
+def test_benchmarks_without_cuda_say_so_in_one_line(script):
+    """The GPU benchmarks on a machine without CUDA end in one `error:` line, exit code 2."""
+    result = run_cli(script=script)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"error: {script} times CUDA kernels: no CUDA device here"
 
 
 def test_cli_target_only_needs_no_drafter(checkpoints, targets):

@@ -342,7 +342,7 @@ class Blocks:
     sequence: torch.Tensor   # (M,) which sequence each block is drawn from
     anchors: torch.Tensor    # (M,) anchor a of each block: x_a is its bonus, at position a
     block_ids: torch.Tensor  # (M, B) block inputs [x_a, m, ..., m]
-    labels: torch.Tensor     # (M, B) the label of position a+k at row k ≥ 1 (the same position, no shift), else IGNORE
+    labels: torch.Tensor     # (M, B) the label of position a+k at row k ≥ 1 (same position, no shift), else IGNORE
 
 
 def pad_sequences(sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -575,7 +575,8 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
         anchors = [choose_anchors(s, len(s.ids), B, None, full_only=True) for s in batch]   # every full-block anchor
         accepted_at = [{} for _ in batch]                                             # anchor -> drafts accepted
         for j in range(0, max(map(len, anchors), default=0), anchors_per_pass):
-            blocks = make_blocks(batch, anchors_per_pass, B, m, anchor_lists=[a[j:j + anchors_per_pass] for a in anchors])
+            chunk = [a[j:j + anchors_per_pass] for a in anchors]
+            blocks = make_blocks(batch, anchors_per_pass, B, m, anchor_lists=chunk)
             with autocast(features.device):
                 hidden = draft_hidden(target, drafter, blocks, features)              # (M, B, H)
             labels = blocks.labels[:, 1:].to(hidden.device)                           # (M, B-1)
