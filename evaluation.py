@@ -85,14 +85,22 @@ def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], ma
             "mismatched_prompts": mismatches, "per_prompt": per_prompt}
 
 
-def plot_eval(results: dict[str, dict], path: Path) -> bool:
-    """Acceptance rate per block position for each dataset, and τ / speedup per dataset.
-    Returns False (and writes nothing) where matplotlib is not installed."""
+def pyplot():
+    """matplotlib.pyplot with the file-only Agg backend, or None where matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_eval(results: dict[str, dict], path: Path) -> bool:
+    """Acceptance rate per block position for each dataset, and τ / speedup per dataset.
+    Returns False (and writes nothing) where matplotlib is not installed."""
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in results.items():
@@ -125,11 +133,8 @@ def blocks_seen(log: dict) -> list[int]:
 def plot_training(logs: dict[str, dict], path: Path) -> bool:
     """Held-out τ against training blocks seen, one line per phase, the phases end to end (each
     continued from the one before). Returns False where matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     start = 0

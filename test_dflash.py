@@ -1550,7 +1550,7 @@ def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(tiny, tmp_path):
     def fixed_loss():
         with torch.no_grad():
             features, _ = train.capture_features(target, fixed.ids, fixed.lengths, drafter.config.target_layer_ids,
-                                                 torch.float32)
+                                                 torch.float32, with_labels=False)
             return train.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
                                     weights).item()
 

@@ -53,6 +53,11 @@ class Sequence:
     prompt_len: int       # P: positions >= P are the response, the only place anchors go
 
 
+def cut_after_stop(response: list[int], stop_ids) -> list[int]:
+    """The response up to and including its first stop token (all of it if there is none)."""
+    return response[:next((i + 1 for i, t in enumerate(response) if t in stop_ids), len(response))]
+
+
 class BatchDecoder:
     """Many prompts decoded together, for self-distillation of a dense Llama/Qwen3 target: fastpath's
     DenseTarget with a batch dimension, K/V in static (Bt, hk, C, d) buffers. Prompts are left-padded,
@@ -160,11 +165,7 @@ class BatchDecoder:
             out[:, n] = self.ids
             self.slot.add_(1)
             n += 1
-        responses = []
-        for response in out[:real, :n].tolist():
-            end = next((i + 1 for i, tok in enumerate(response) if tok in stop_ids), len(response))
-            responses.append(response[:end])
-        return responses
+        return [cut_after_stop(response, stop_ids) for response in out[:real, :n].tolist()]
 
 
 @torch.inference_mode()
@@ -189,11 +190,8 @@ def distill_ids(target, prompts: list[list[int]], max_new_tokens: int, pad_id: i
                               eos_token_id=sorted(stop_ids) or None)                   # (Bt, P + new)
     finally:
         target.generation_config = own_config
-    sequences = []
-    for prompt, response in zip(prompts, out[:, P:].cpu().tolist()):
-        end = next((i + 1 for i, t in enumerate(response) if t in stop_ids), len(response))
-        sequences.append(Sequence(torch.tensor(prompt + response[:end]), len(prompt)))
-    return sequences
+    return [Sequence(torch.tensor(prompt + cut_after_stop(response, stop_ids)), len(prompt))
+            for prompt, response in zip(prompts, out[:, P:].cpu().tolist())]
 
 
 def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
@@ -421,16 +419,18 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors):
 
 
 @torch.no_grad()
-def capture_features(target, ids, lengths, layer_ids: list[int], dtype):
+def capture_features(target, ids, lengths, layer_ids: list[int], dtype, with_labels: bool = True):
     """One batched pass of the frozen target over right-padded ids (Bt, N) -> captured features
     (Bt, N, n·H) and the target's own label of every position (Bt, N): its argmax given the text
-    before, IGNORE at position 0 and past each length. Attention is causal, so padding never
-    reaches a real position."""
+    before, IGNORE at position 0 and past each length (None without with_labels, which also skips
+    the (Bt, N, V) logits). Attention is causal, so padding never reaches a real position."""
     device = target.get_input_embeddings().weight.device
     ids = ids.to(device)
     with closing(dflash.Capture(target, layer_ids)) as capture:
-        logits = target(input_ids=ids, use_cache=False).logits                         # (Bt, N, V)
+        logits = target(input_ids=ids, use_cache=False, logits_to_keep=0 if with_labels else 1).logits
         features = capture.features().to(dtype)                                       # (Bt, N, n·H)
+    if not with_labels:
+        return features, None
     labels = torch.full_like(ids, IGNORE)                                             # (Bt, N)
     labels[:, 1:] = logits[:, :-1].argmax(-1)
     labels[torch.arange(ids.shape[1], device=device) >= lengths.to(device)[:, None]] = IGNORE
@@ -460,6 +460,7 @@ class CachedFeatures:
         total, width = int(self.lengths.sum()), len(layer_ids) * target.config.get_text_config().hidden_size
         self.features = torch.empty(total, width, dtype=dtype, device=device)         # (total, n·H)
         self.labels = torch.empty(total, dtype=torch.long, device=device)             # (total,)
+        starts = self.offsets.tolist()                                                # host copy: one read
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))     # little padding per pass
         i = 0
         while i < len(order):
@@ -470,7 +471,7 @@ class CachedFeatures:
             features, labels = capture_features(target, *pad_sequences([sequences[k] for k in chunk]),
                                                 layer_ids, dtype)                      # (Bt, N, n·H), (Bt, N)
             for row, k in enumerate(chunk):
-                start, n = int(self.offsets[k]), len(sequences[k].ids)
+                start, n = starts[k], len(sequences[k].ids)
                 self.features[start:start + n] = features[row, :n]
                 self.labels[start:start + n] = labels[row, :n]
             i = j
@@ -571,7 +572,8 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
     rounds = []
     for i in range(0, len(sequences), batch_size):
         batch = sequences[i:i + batch_size]
-        features, _ = capture_features(target, *pad_sequences(batch), drafter.config.target_layer_ids, dtype)
+        features, _ = capture_features(target, *pad_sequences(batch), drafter.config.target_layer_ids, dtype,
+                                       with_labels=False)   # the walk compares drafts with the text itself
         anchors = [choose_anchors(s, len(s.ids), B, None, full_only=True) for s in batch]   # every full-block anchor
         accepted_at = [{} for _ in batch]                                             # anchor -> drafts accepted
         for j in range(0, max(map(len, anchors), default=0), anchors_per_pass):
@@ -879,7 +881,7 @@ def cmd_distill(args):
             temperatures += [t] * len(same)
             new_tokens += sum(len(s.ids) - s.prompt_len for s in fresh)
         save_sequences(out, sequences, {**meta, "prompt_indices": done, "temperatures": temperatures,
-                                        "complete": len(made) + c + len(part) >= len(todo) + len(made)})
+                                        "complete": c + len(part) >= len(todo)})
         bar.update(len(part))
         bar.set_postfix(new_tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
