@@ -17,6 +17,7 @@ import argparse
 import functools
 import inspect
 import json
+import re
 import sys
 import time
 from contextlib import closing
@@ -291,9 +292,9 @@ class Sampling:
     top_k: int = 0             # keep the k most likely tokens; 0 keeps all
 
     def __post_init__(self):
-        require(self.temperature >= 0, f"temperature = {self.temperature} must be ≥ 0")
-        require(0 < self.top_p <= 1, f"top_p = {self.top_p} must be in (0, 1]")
-        require(self.top_k >= 0, f"top_k = {self.top_k} must be ≥ 0")
+        require(self.temperature >= 0, f"--temperature = {self.temperature} must be ≥ 0")
+        require(0 < self.top_p <= 1, f"--top-p = {self.top_p} must be in (0, 1]")
+        require(self.top_k >= 0, f"--top-k = {self.top_k} must be ≥ 0")
 
 
 def target_probs(logits, sampling: Sampling):
@@ -352,6 +353,7 @@ class Generation:
     rounds: list[dict] = field(default_factory=list)             # per round: {"draft", "accepted"}
     position_accepted: list[int] = field(default_factory=list)   # [i]: rounds that accepted draft i+1
     position_drafted: list[int] = field(default_factory=list)    # [i]: rounds that proposed draft i+1
+    interrupted: bool = False                # stopped by Ctrl-C (dflash.Interrupted), not by a stop or the limit
 
     def commit(self, drafts: list[int], accepted: int, new_tokens: list[int], stops) -> list[int]:
         """Record a round and append its tokens, trimmed at the first stop written; returns those appended."""
@@ -369,18 +371,31 @@ class Generation:
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
 
-def check_request(target, drafter, prompt_ids, max_new_tokens, num_drafts):
-    require(len(prompt_ids) > 0, "prompt: empty (needs at least one token)")
-    rows = target.get_input_embeddings().weight.shape[0]
-    outside = [t for t in prompt_ids if not 0 <= t < rows]
-    require(not outside, f"prompt ids {outside[:3]} are outside the target's vocabulary 0..{rows - 1}")
-    require(max_new_tokens >= 1, f"max_new_tokens = {max_new_tokens} must be at least 1")
-    limit = target.config.get_text_config().max_position_embeddings
-    require(len(prompt_ids) + max_new_tokens <= limit, f"prompt + max_new_tokens = {len(prompt_ids)} + "
-            f"{max_new_tokens} exceeds the target's max_position_embeddings {limit}")
-    if drafter is not None:
-        B = drafter.config.block_size
-        require(1 <= num_drafts < B, f"num_drafts = {num_drafts} must be in 1..{B - 1} (block_size {B})")
+def request_limits(target, drafter=None) -> dict:
+    """What a request is checked against: the target's embedding rows and positions, the drafter's block."""
+    return dict(vocab_rows=target.get_input_embeddings().weight.shape[0],
+                max_positions=target.config.get_text_config().max_position_embeddings,
+                block_size=None if drafter is None else drafter.config.block_size)
+
+
+def check_request(prompt_ids, max_new_tokens, num_drafts, *, vocab_rows, max_positions, block_size=None):
+    """Refuse a request that cannot run, naming the CLI flag that sets each value (block_size None: no drafter)."""
+    require(len(prompt_ids) > 0, "prompt: empty (--prompt or --prompt-ids needs at least one token)")
+    outside = [t for t in prompt_ids if not 0 <= t < vocab_rows]
+    require(not outside, f"--prompt-ids: {outside[:3]} outside the target's vocabulary 0..{vocab_rows - 1}")
+    require(max_new_tokens >= 1, f"--max-new-tokens = {max_new_tokens} must be at least 1")
+    require(len(prompt_ids) + max_new_tokens <= max_positions, f"prompt + --max-new-tokens = {len(prompt_ids)} + "
+            f"{max_new_tokens} exceeds the target's max_position_embeddings {max_positions}")
+    if block_size is not None:
+        require(1 <= num_drafts < block_size, f"--num-drafts = {num_drafts} must be in 1..{block_size - 1} "
+                f"(the drafter's block_size is {block_size})")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during generate: `generation` holds every round committed before it, marked interrupted."""
+    def __init__(self, generation: "Generation"):
+        super().__init__("interrupted")
+        self.generation = generation
 
 
 @torch.inference_mode()
@@ -391,7 +406,7 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     drafter=None runs the target alone through this loop (K = 0); full_block computes all B drafter rows (z-lab),
     else K+1; on_tokens(list[int]) gets each round's tokens; seed fixes the K+1 uniforms of each verification."""
     K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
-    check_request(target, drafter, prompt_ids, max_new_tokens, K)
+    check_request(prompt_ids, max_new_tokens, K, **request_limits(target, drafter))
     device, stops = target.get_input_embeddings().weight.device, set(stop_ids)
     on_tokens = on_tokens or (lambda tokens: None)
     generator = torch.Generator(device)
@@ -413,24 +428,29 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
             mask_ids = torch.full((width - 1,), drafter.config.mask_token_id, device=device)   # (W-1,)
 
         start = len(prompt_ids)   # position of the bonus token; the target cache holds 0..start-1
-        while bonus not in stops and len(out.tokens) < max_new_tokens:
-            k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
-            bonus_id = torch.tensor([bonus], device=device)                             # (1,)
-            drafts = torch.empty(0, dtype=torch.long, device=device)                    # (k,)
-            if k > 0:
-                drafts = propose(drafter, ctx, torch.cat([bonus_id, mask_ids]), target)[:k]   # block (W,)
+        try:
+            while bonus not in stops and len(out.tokens) < max_new_tokens:
+                k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
+                bonus_id = torch.tensor([bonus], device=device)                             # (1,)
+                drafts = torch.empty(0, dtype=torch.long, device=device)                    # (k,)
+                if k > 0:
+                    drafts = propose(drafter, ctx, torch.cat([bonus_id, mask_ids]), target)[:k]   # block (W,)
 
-            logits, features = target_forward(target, torch.cat([bonus_id, drafts]), start, cache, capture)
-            accepted, next_token = verify(drafts, logits, sampling, uniforms())         # logits (k+1, V)
-            new_tokens = drafts[:accepted].tolist() + [next_token]
-            cache.crop(start + accepted + 1 - cache.get_seq_length())   # crop(-n) drops the n rejected drafts' K/V
-            if drafter is not None:   # the accepted rows and the bonus: the context lags by one
-                append_context(drafter, ctx, drafter.project_context(features[:accepted + 1]))
-            start += accepted + 1
+                logits, features = target_forward(target, torch.cat([bonus_id, drafts]), start, cache, capture)
+                accepted, next_token = verify(drafts, logits, sampling, uniforms())         # logits (k+1, V)
+                new_tokens = drafts[:accepted].tolist() + [next_token]
+                # crop(-n) drops the n rejected drafts' K/V
+                cache.crop(start + accepted + 1 - cache.get_seq_length())
+                if drafter is not None:   # the accepted rows and the bonus: the context lags by one
+                    append_context(drafter, ctx, drafter.project_context(features[:accepted + 1]))
+                start += accepted + 1
 
-            new_tokens = out.commit(drafts.tolist(), accepted, new_tokens, stops)
-            bonus = new_tokens[-1]
-            on_tokens(new_tokens)
+                new_tokens = out.commit(drafts.tolist(), accepted, new_tokens, stops)
+                bonus = new_tokens[-1]
+                on_tokens(new_tokens)
+        except KeyboardInterrupt:   # Ctrl-C: what was committed comes back with the exception
+            out.interrupted = True
+            raise Interrupted(out) from None
     return out
 
 
@@ -446,6 +466,66 @@ def read_file(path: Path, what: str, reader=lambda p: json.loads(p.read_text()))
         raise DFlashError(f"{what}: {path} is unreadable ({err})") from None
 
 
+# Checkpoints a same-position DFlash reader would load wrong, silently: each is refused, naming why (spec §6).
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+UNSUPPORTED_KEYS = {   # key: (values that change nothing, what the drafter would need to honour any other)
+    "use_swa": ((False,), "a window of swa_window_size keys on every layer"),
+    "partial_rotary_factor": ((1, 1.0), "RoPE on part of each head"),
+    "attention_value_scale": ((1, 1.0), "a scale on the attention values"),
+    "attention_sink_bias": ((False,), "attention sink biases"),
+    "attention_bias": ((False,), "biases on q/k/v/o"),
+    "rope_scaling": ((), "scaled RoPE"),
+}
+MODEL_TYPE_DEFAULTS = {   # transformers config classes that add semantics a file need not list
+    "gpt_oss": "alternating sliding layers (window 128) and YaRN RoPE",
+}
+
+
+def refuse_unsupported(raw: dict, nested: dict):
+    """Refuse config keys that change the math this drafter implements, rather than ignore them."""
+    architectures = raw.get("architectures") or []
+    dflash2 = [k for k in DFLASH2_KEYS if k in nested]
+    what = f"architectures {architectures}" if "DFlash2DraftModel" in architectures else f"dflash_config {dflash2}"
+    require("DFlash2DraftModel" not in architectures and not dflash2, f"draft config: a DFlash2 checkpoint ({what}) "
+            "is not supported yet: its convolution and selector weights have no place in a DFlash drafter")
+    known = all(a == "DFlashDraftModel" or "Laguna" in a for a in architectures)
+    require(bool(architectures) and known, f"draft config: 'architectures' = {architectures} is not a DFlash "
+            "drafter (DFlashDraftModel, or a Laguna DFlash drafter); refusing to guess its layout")
+    for name in ("sample_from_anchor", "shift_label"):
+        value = nested.get(name, raw.get(name))
+        require(not value, f"draft config: '{name}' = {json.dumps(value)}: an anchor-first drafter (block row j "
+                "predicts position j+1) is not supported; read as same-position, every draft would land one "
+                "position early")
+    found = {k: nested.get(k, raw.get(k)) for k in UNSUPPORTED_KEYS}
+    found = {k: v for k, v in found.items() if v is not None and v not in UNSUPPORTED_KEYS[k][0]}
+    needs = [UNSUPPORTED_KEYS[k][1] for k in found]
+    if raw.get("model_type") in MODEL_TYPE_DEFAULTS:
+        found = {"model_type": raw["model_type"]} | found
+        needs.insert(0, f"the {raw['model_type']} config class adds {MODEL_TYPE_DEFAULTS[raw['model_type']]}, "
+                        "which this file does not list")
+    require(not found, "draft config: " + ", ".join(f"'{k}' = {json.dumps(v)}" for k, v in found.items()) +
+            " not supported (" + "; ".join(dict.fromkeys(needs)) + ")")
+    require(raw.get("hidden_act", "silu") == "silu", f"draft config: 'hidden_act' = {raw.get('hidden_act')!r} "
+            "is not supported (SwiGLU with silu)")
+
+
+def config_block_size(raw: dict) -> int:
+    """B, from dflash_config first, then the top level: the bonus and B-1 drafts."""
+    value = (raw.get("dflash_config") or {}).get("block_size", raw.get("block_size"))
+    require(value is not None, "draft config: 'block_size' is missing")
+    require(isinstance(value, int) and value >= 2, f"draft config: 'block_size' = {value!r} must be an integer "
+            "of at least 2 (the bonus and one draft)")
+    return value
+
+
+def resolve_causal(raw: dict, nested: dict, sliding: list[bool]) -> list[bool]:
+    """In-block causality per layer, read as vLLM reads it: the top-level is_causal, dflash_config.is_causal,
+    dflash_config.causal, then layer_types (sliding = causal)."""
+    override = next((v for v in (raw.get("is_causal"), nested.get("is_causal"), nested.get("causal"))
+                     if v is not None), None)
+    return list(sliding) if override is None else [bool(override)] * len(sliding)
+
+
 def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) -> DraftConfig:
     """Resolve config.json, each key from `dflash_config` first, then the top level; n = fc_in_features / H."""
     nested, required = raw.get("dflash_config") or {}, object()
@@ -454,6 +534,7 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
         require(value is not None or default is not required, f"draft config: '{name}' is missing")
         return default if value is None else value
 
+    refuse_unsupported(raw, nested)
     H, L, heads = int(key("hidden_size")), int(key("num_hidden_layers")), int(key("num_attention_heads"))
     for per_layer in ("num_attention_heads_per_layer", "num_key_value_heads_per_layer"):
         counts = key(per_layer, None)
@@ -463,13 +544,15 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
     gating = key("gating", None)
     require(not laguna or gating in (True, "per-head"), f"draft config: 'gating' = {gating!r} is unsupported "
             "(a Laguna drafter needs true or \"per-head\")")
-    layer_types = key("layer_types", None) or ["full_attention"] * L
+    layer_types = key("layer_types", None)
+    require(layer_types is not None or not key("use_sliding_window", False), "draft config: 'use_sliding_window'"
+            " = true without 'layer_types': which layers slide is not listed")
+    layer_types = layer_types or ["full_attention"] * L
     require(len(layer_types) == L and set(layer_types) <= {"full_attention", "sliding_attention"},
             f"draft config: 'layer_types' = {layer_types} must list {L} of full_attention/sliding_attention")
     sliding, window = [t == "sliding_attention" for t in layer_types], key("sliding_window", None)
     require(bool(window) or not any(sliding),
             f"draft config: 'sliding_window' = {window!r} but layers are sliding")
-    causal = nested.get("causal", raw.get("is_causal"))   # overrides the per-layer default (sliding = causal)
     rope, thetas = raw.get("rope_parameters"), []
     for layer_type in layer_types:   # no silent default: a missing base would quietly give wrong positions
         p = rope.get(layer_type, rope) if isinstance(rope, dict) else {}   # flat, or keyed by layer type
@@ -489,12 +572,16 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
             f"{layer_ids} out of range for a target with {num_target_layers} layers")
     require(layer_ids == sorted(set(layer_ids)),
             f"draft config: 'target_layer_ids' = {layer_ids} must be sorted and unique")
+    head_dim = int(key("head_dim", None) or H // heads)
+    v_head_dim = key("v_head_dim", head_dim)
+    require(v_head_dim == head_dim, f"draft config: 'v_head_dim' = {v_head_dim} != head_dim {head_dim} is "
+            "not supported")
     return DraftConfig(
         hidden_size=H, intermediate_size=int(key("intermediate_size")), num_layers=L, num_heads=heads,
-        num_kv_heads=int(key("num_key_value_heads")), head_dim=int(key("head_dim", None) or H // heads),
-        rms_norm_eps=float(key("rms_norm_eps")), block_size=int(key("block_size")),
+        num_kv_heads=int(key("num_key_value_heads")), head_dim=head_dim,
+        rms_norm_eps=float(key("rms_norm_eps")), block_size=config_block_size(raw),
         mask_token_id=int(key("mask_token_id")), target_layer_ids=[int(i) for i in layer_ids],
-        rope_thetas=[float(t) for t in thetas], causal=[s if causal is None else bool(causal) for s in sliding],
+        rope_thetas=[float(t) for t in thetas], causal=resolve_causal(raw, nested, sliding),
         windows=[window if s else None for s in sliding], gated=laguna, capture_norms=laguna,
         norm_context=laguna, checkpoint_format="laguna" if laguna else "zlab")
 
@@ -509,12 +596,26 @@ def checkpoint_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def looks_like_repo_id(path: str) -> bool:
+    """`name` or `owner/name` as the hub spells them; anything else can only be a local path."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", path) is not None and ".." not in path
+
+
+def checkpoint_dir(path: str, flag: str) -> Path:
+    """A local checkpoint dir, or a hub id fetched into the hub's cache."""
+    if Path(path).is_dir():
+        return Path(path)
+    require(looks_like_repo_id(path), f"{flag} '{path}': no such directory")
+    try:
+        return Path(huggingface_hub.snapshot_download(path))
+    except Exception as err:   # any hub failure becomes one line naming the path
+        raise DFlashError(f"{flag} '{path}': not a local directory, and the hub could not provide it "
+                          f"({type(err).__name__})") from None
+
+
 def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) -> Drafter:
     """Load a drafter checkpoint (any of the three formats of spec §6): a local dir, or a hub id fetched."""
-    try:
-        directory = Path(path) if Path(path).is_dir() else Path(huggingface_hub.snapshot_download(path))
-    except Exception as err:  # any hub failure becomes one line naming the path
-        raise DFlashError(f"checkpoint '{path}': not a local dir and not fetchable ({type(err).__name__})") from None
+    directory = checkpoint_dir(path, "--draft")
     raw = read_file(directory / "config.json", "draft config")
     files, index = ["model.safetensors"], directory / "model.safetensors.index.json"
     if index.exists():   # a sharded checkpoint
@@ -522,22 +623,32 @@ def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) 
         require(bool(files), f"draft weights: {index} has an empty 'weight_map'")
     tensors = {k: t for name in files for k, t in read_file(directory / name, "draft weights",
                                                              safetensors.torch.load_file).items()}
+    extras = sorted(p.name for p in directory.iterdir() if p.stem in ("mask_embedding", "d2t", "t2d"))
+    extras += sorted(k for k in tensors if k.split(".")[-1] in ("mask_embedding", "d2t", "t2d"))
+    require(not extras, f"draft weights: {extras} in {directory} not supported: a learned mask embedding would "
+            "be replaced by the target's embedding row, a draft-vocabulary map would be ignored")
     require("fc.weight" in tensors, f"draft weights: tensor 'fc.weight' is missing in {directory}")
     tcfg, rows = target.config.get_text_config(), target.get_input_embeddings().weight.shape[0]
     cfg = load_draft_config(raw, tcfg.num_hidden_layers, tensors["fc.weight"].shape[1])
     require(cfg.hidden_size == tcfg.hidden_size,
             f"draft config: 'hidden_size' = {cfg.hidden_size} but the target's is {tcfg.hidden_size}")
+    for name, want in (("target_hidden_size", tcfg.hidden_size), ("draft_vocab_size", rows)):
+        value = (raw.get("dflash_config") or {}).get(name, raw.get(name))
+        require(value in (None, want), f"draft config: '{name}' = {value} but the target's is {want}")
     require(0 <= cfg.mask_token_id < rows, f"draft config: 'mask_token_id' = {cfg.mask_token_id} is outside "
             f"the target's {rows} embedding rows")
 
     drafter = Drafter(cfg)
     expected = checkpoint_tensors(drafter)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    require(not missing, f"draft weights: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    require(not missing, f"draft weights: {len(missing)} tensors missing, e.g. {missing[:3]}" +
+            (f"; {len(unexpected)} unexpected, e.g. {unexpected[:3]} (renamed?)" if unexpected else ""))
     require(not unexpected, f"draft weights: {len(unexpected)} unexpected tensors, e.g. {unexpected[:3]}")
     for name, tensor in tensors.items():
         require(tensor.shape == expected[name].shape, f"draft weights: '{name}' has shape "
                 f"{tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}")
+        bad = int((~torch.isfinite(tensor)).sum())
+        require(bad == 0, f"draft weights: '{name}' has {bad} NaN or Inf values")
     for l in range(cfg.num_layers if cfg.checkpoint_format == "zlab" else 0):   # stack q/k/v into qkv_proj
         prefix = f"layers.{l}.self_attn."
         tensors[prefix + "qkv_proj.weight"] = torch.cat([tensors.pop(prefix + f"{x}_proj.weight") for x in "qkv"])
@@ -546,12 +657,22 @@ def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) 
 
 
 def load_target(path: str, dtype: torch.dtype, device: str):
+    require(Path(path).is_dir() or looks_like_repo_id(path), f"--target '{path}': no such directory")
     try:   # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there
         experts = "eager" if device == "cpu" else None
         target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=experts)
     except (OSError, ValueError) as err:
-        raise DFlashError(f"target '{path}': cannot load ({str(err).splitlines()[0]})") from None
+        raise DFlashError(f"--target '{path}': cannot load ({str(err).splitlines()[0]})") from None
     return target.to(device).eval()
+
+
+def target_config(path: str):
+    """The target's config alone, read before its weights so that a request can be checked first."""
+    require(Path(path).is_dir() or looks_like_repo_id(path), f"--target '{path}': no such directory")
+    try:
+        return transformers.AutoConfig.from_pretrained(path).get_text_config()
+    except (OSError, ValueError) as err:
+        raise DFlashError(f"--target '{path}': cannot load ({str(err).splitlines()[0]})") from None
 
 
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
@@ -611,7 +732,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None, generate_fn=None):
-    """The CLI; `generate_fn` swaps in another implementation with generate's signature."""
+    """The CLI; `generate_fn` swaps in another implementation with generate's signature. Every request check
+    that needs only the configs runs before the weights load; Ctrl-C prints the stats so far, exit code 130."""
     args = parse_args(argv)
     transformers.utils.logging.disable_progress_bar()
     device, dtype = device_and_dtype(args.device, args.dtype)
@@ -625,33 +747,53 @@ def main(argv=None, generate_fn=None):
     target_path, draft_path = (args.target, args.draft) if args.target else offline.default_pair()
     if args.target is None:
         print(f"default pair: SmolLM2-135M-Instruct ({target_path}) with {draft_path}", file=sys.stderr)
-    target = load_target(str(target_path), dtype, device)
-    drafter = None if args.target_only else load_drafter(str(draft_path), target, dtype, device)
+    tcfg = target_config(str(target_path))
+    draft_dir = None if args.target_only else checkpoint_dir(str(draft_path), "--draft")
+    block_size = None if args.target_only else config_block_size(read_file(draft_dir / "config.json", "draft config"))
     tokenizer = offline.load_tokenizer(str(target_path))
-    require(ids is not None or tokenizer is not None, f"target '{target_path}' has no tokenizer: pass --prompt-ids")
-    chat = not args.no_chat
-    prompt_ids = [int(t) for t in ids] if ids is not None else offline.encode_prompt(tokenizer, args.prompt, chat)
+    require(ids is not None or tokenizer is not None, f"--target '{target_path}' has no tokenizer: pass --prompt-ids")
+    prompt_ids = [int(t) for t in ids] if ids is not None else offline.encode_prompt(tokenizer, args.prompt,
+                                                                                      not args.no_chat)
+    K = 0 if block_size is None else block_size - 1 if args.num_drafts is None else args.num_drafts
+    check_request(prompt_ids, args.max_new_tokens, K, vocab_rows=tcfg.vocab_size,
+                  max_positions=tcfg.max_position_embeddings, block_size=block_size)
+
+    target = load_target(str(target_path), dtype, device)
+    drafter = None if args.target_only else load_drafter(str(draft_dir), target, dtype, device)
     t0, generate_fn = time.perf_counter(), generate_fn or generate
-    gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
-                      full_block=args.compute_width == "block", stop_ids=offline.stop_token_ids(target, tokenizer),
-                      on_tokens=None if args.json else offline.printer(tokenizer), sampling=sampling, seed=args.seed)
+    printer = None if args.json else offline.printer(tokenizer)
+    try:
+        gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
+                          full_block=args.compute_width == "block", stop_ids=offline.stop_token_ids(target, tokenizer),
+                          on_tokens=printer, sampling=sampling, seed=args.seed)
+    except Interrupted as stop:
+        gen = stop.generation
+        if printer is not None:   # tokens committed after the last print
+            printer(gen.tokens[len(printer.seen):])
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     if args.json:
         text = tokenizer.decode(gen.tokens, skip_special_tokens=True) if tokenizer is not None else None
-        return print(json.dumps({"tokens": gen.tokens, "text": text, "acceptance_lengths": gen.acceptance_lengths,
-                                 "tau": gen.tau, "rounds": gen.rounds}))
-    print("\n" + offline.stats_table(gen, seconds))
+        print(json.dumps({"tokens": gen.tokens, "text": text, "acceptance_lengths": gen.acceptance_lengths,
+                          "tau": gen.tau, "rounds": gen.rounds, "interrupted": gen.interrupted}))
+    else:
+        print("\n" + offline.stats_table(gen, seconds))
+    if gen.interrupted:
+        raise SystemExit(130)
 
 
 def run_cli(main_fn, **kwargs):
-    """Run a CLI entry point: bad input ends with one line on stderr and exit code 2, no traceback."""
+    """Run a CLI entry point: bad input ends with one line on stderr and exit code 2, no traceback;
+    Ctrl-C outside a generation (which prints its own partial result) ends with one line and 130."""
     try:
         main_fn(**kwargs)
     except (DFlashError, offline.PackageError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -463,8 +463,8 @@ class Decoder:
         uniforms, so sampled runs match too. A request past the capacity is refused before anything
         is written."""
         K, buf = self.K, self.buf
-        dflash.check_request(self.target, self.drafter, prompt_ids, max_new_tokens, K)
-        dflash.require(len(prompt_ids) + max_new_tokens + K <= self.capacity, f"prompt + max_new_tokens + K = "
+        dflash.check_request(prompt_ids, max_new_tokens, K, **dflash.request_limits(self.target, self.drafter))
+        dflash.require(len(prompt_ids) + max_new_tokens + K <= self.capacity, f"prompt + --max-new-tokens + K = "
                        f"{len(prompt_ids)} + {max_new_tokens} + {K} exceeds the buffer capacity {self.capacity}")
         stops, generator, on_tokens = set(stop_ids), torch.Generator(self.device), on_tokens or (lambda tokens: None)
         generator.seed() if seed is None else generator.manual_seed(seed)
@@ -475,18 +475,22 @@ class Decoder:
         bonus = self.prefill(prompt_ids)
         out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
         on_tokens([bonus])
-        while bonus not in stops and len(out.tokens) < max_new_tokens:
-            k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
-            buf.max_accept.fill_(k)
-            draw_uniforms()
-            self.step()
-            result = buf.result.tolist()                      # the one host sync of the step
-            accepted = result[0]
-            new_tokens, drafts = result[1:accepted + 2], result[K + 2:K + 2 + k]
+        try:
+            while bonus not in stops and len(out.tokens) < max_new_tokens:
+                k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
+                buf.max_accept.fill_(k)
+                draw_uniforms()
+                self.step()
+                result = buf.result.tolist()                      # the one host sync of the step
+                accepted = result[0]
+                new_tokens, drafts = result[1:accepted + 2], result[K + 2:K + 2 + k]
 
-            new_tokens = out.commit(drafts, accepted, new_tokens, stops)
-            bonus = new_tokens[-1]
-            on_tokens(new_tokens)
+                new_tokens = out.commit(drafts, accepted, new_tokens, stops)
+                bonus = new_tokens[-1]
+                on_tokens(new_tokens)
+        except KeyboardInterrupt:   # Ctrl-C: what was committed comes back with the exception
+            out.interrupted = True
+            raise dflash.Interrupted(out) from None
         return out
 
 
@@ -496,7 +500,7 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     """dflash.generate's signature through a Decoder built for this one request (compiled and captured
     anew on CUDA); hold a Decoder to serve many. `capacity` defaults to what the request needs."""
     K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
-    dflash.check_request(target, drafter, prompt_ids, max_new_tokens, K)
+    dflash.check_request(prompt_ids, max_new_tokens, K, **dflash.request_limits(target, drafter))
     capacity = capacity or capacity_for(len(prompt_ids), max_new_tokens, K)
     with closing(Decoder(target, drafter, capacity, K, full_block, sampling)) as decoder:
         return decoder.generate(prompt_ids, max_new_tokens, stop_ids=stop_ids, on_tokens=on_tokens, seed=seed)

