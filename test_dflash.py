@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
+import conformance
 import dflash
 import evaluation
 import fastpath
@@ -1558,7 +1559,7 @@ def test_fastpath_sampling_on_cuda_with_graphs(checkpoints, tmp_path):
 # -----------------------------------------------------------------------------
 # The layout: no file imports one above it
 
-FLOORS = ["offline", "dflash", "fastpath", "train", "evaluation", "bench", "bench_train"]   # each imports only files to its left
+FLOORS = ["offline", "dflash", "fastpath", "train", "evaluation", "bench", "bench_train", "conformance"]   # each imports only files to its left
 
 
 def test_files_import_only_files_below_them():
@@ -2217,3 +2218,136 @@ def test_smollm2_converts_to_a_chatml_llama():
     assert "Paris" in tokenizer.decode(gen.tokens)
     assert train.default_mask_token_id(tokenizer, 49152) == 16   # <empty_output>, never in chat text
     assert train.default_mask_token_id(tokenizer, 49280) == 49152   # a padded table: its first spare row
+
+
+# -----------------------------------------------------------------------------
+# conformance.py: golden stage values for porters, and a checker that names the stage a port breaks
+
+def test_conformance_kit_regenerates_to_the_committed_files(tmp_path):
+    """`conformance.py write` from today's dflash.py gives the committed kit: the same checkpoints and
+    requests byte for byte, and stage values the checker passes (so the kit cannot drift from the reference)."""
+    conformance.write_kit(tmp_path)
+    for name in conformance.CASES:
+        fresh, committed = tmp_path / name, conformance.KIT / name
+        for part in ("target", "drafter"):
+            for file in ("config.json", "model.safetensors"):
+                assert (fresh / part / file).read_bytes() == (committed / part / file).read_bytes(), (name, part, file)
+        assert json.loads((fresh / "case.json").read_text()) == json.loads((committed / "case.json").read_text())
+        result = conformance.check(committed, load_file(fresh / "expected.safetensors"))
+        assert result["first"] is None and "missing" not in result["results"].values(), name
+
+
+def test_every_case_covers_what_the_kit_promises():
+    """Six cases: z-lab full attention, the newer layout with a biting window, Laguna, K < B-1 at both
+    compute widths, and a sampled case with its uniforms; Qwen3, Llama and Laguna targets; each accepts
+    a draft within its recorded rounds; every pair stays small."""
+    specs = {n: json.loads((conformance.KIT / n / "case.json").read_text()) for n in conformance.CASES}
+    families = {json.loads((conformance.KIT / n / "target" / "config.json").read_text())["model_type"] for n in specs}
+    assert families == {"qwen3", "llama", "laguna"}
+    assert {(s["request"]["num_drafts"], s["request"]["full_block"]) for s in specs.values()} >= {(3, True), (3, False)}
+    assert specs["sampled"]["request"]["temperature"] > 0
+    for name, spec in specs.items():
+        expected = load_file(conformance.KIT / name / "expected.safetensors")
+        assert any(int(expected[f"accepted.{r}"]) > 0 for r in range(1, conformance.ROUNDS + 1)
+                   if f"accepted.{r}" in expected), name
+        assert {k.rsplit(".", 1)[0] for k in expected} == set(conformance.STAGES) | {"tokens"}, name
+        assert sum(p.stat().st_size for p in (conformance.KIT / name).rglob("*") if p.is_file()) < 600_000, name
+    window = json.loads((conformance.KIT / "zlab-new-window" / "drafter" / "config.json").read_text())
+    assert len(specs["zlab-new-window"]["request"]["prompt_ids"]) > window["sliding_window"]
+
+
+@pytest.mark.parametrize("name", sorted(conformance.CASES))
+def test_fastpath_passes_every_conformance_case(name):
+    """The twin's dump (float32, CPU) matches the kit at every stage of every case."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / name)
+    result = conformance.check(conformance.KIT / name, conformance.record_fastpath(target, drafter, spec["request"]))
+    assert result["first"] is None and set(result["results"].values()) == {"ok"}, conformance.report(result)
+
+
+def bonus_too_early(target, drafter, request):
+    """A port that appends one row too many after each verify: the hidden state at the bonus's position."""
+    real_forward, real_project, last = dflash.target_forward, dflash.Drafter.project_context, {}
+
+    def target_forward(*args):
+        logits, last["features"] = real_forward(*args)
+        return logits, last["features"]
+
+    def project_context(self, features):   # after a verify, features are its first a+1 rows
+        verified = last["features"]
+        return real_project(self, verified[:len(features) + 1] if len(features) < len(verified) else features)
+    with mock.patch.object(dflash, "target_forward", target_forward), \
+            mock.patch.object(dflash.Drafter, "project_context", project_context):
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def shifted_readout(target, drafter, request):
+    """A port that reads its drafts from block rows 0..W-2 (next-token style) instead of 1..W-1."""
+    def propose(drafter_, ctx, block, target_):
+        hidden = dflash.draft_block(drafter_, ctx, target_.get_input_embeddings()(block))   # (W, H)
+        return target_.get_output_embeddings()(hidden[:-1]).argmax(-1)                     # (W-1,)
+    with mock.patch.object(dflash, "propose", propose):   # patched first, so the recorder wraps it
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def with_drafter_change(change):
+    def run(target, drafter, request):
+        change(drafter)
+        return conformance.record_reference(target, drafter, request)[0]
+    return run
+
+
+def set_each_layer(**attributes):
+    def change(drafter):
+        for layer in drafter.layers:
+            if layer.window is not None:   # the sliding layers
+                for key, value in attributes.items():
+                    setattr(layer, key, value)
+    return change
+
+
+BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must name, a word of its pitfall)
+    "wrong layer index": ("zlab-qwen3", with_drafter_change(
+        lambda d: setattr(d.config, "target_layer_ids", [i + 1 for i in d.config.target_layer_ids])),
+        "features", "layer index"),
+    "bonus hidden state too early": ("zlab-qwen3", bonus_too_early, "context", "too early"),
+    "readout shifted by one": ("k3-block-width", shifted_readout, "drafts", "shifted by one"),
+    "sliding layer as full attention": ("zlab-new-window", with_drafter_change(set_each_layer(causal=False, window=None)),
+                                        "hidden", "full attention"),
+    "no window": ("laguna", with_drafter_change(set_each_layer(window=None)), "hidden", "no window"),
+    "missing Laguna per-capture norm": ("laguna", with_drafter_change(lambda d: setattr(d, "aux_hidden_norms", None)),
+                                        "context", "per-capture norm"),
+    "no input norm on the context K/V": ("laguna", with_drafter_change(
+        lambda d: [setattr(layer, "context_norm", torch.nn.Identity()) for layer in d.layers]),
+        "ctx_keys", "no input norm"),
+}
+
+
+@pytest.mark.parametrize("pitfall", sorted(BROKEN_PORTS))
+def test_checker_names_the_stage_each_pitfall_breaks(pitfall):
+    """A dump from a port with each pitfall the engines have met is named at the stage where it first shows,
+    with that stage's pitfall text; the same port without the pitfall passes."""
+    name, port, stage, word = BROKEN_PORTS[pitfall]
+    target, drafter, spec = conformance.load_case(conformance.KIT / name)
+    result = conformance.check(conformance.KIT / name, port(target, drafter, spec["request"]))
+    assert result["first"] is not None and result["first"]["stage"] == stage, conformance.report(result)
+    assert "missing" not in result["results"].values() and word in result["first"]["pitfall"]
+    assert f"first difference: {result['first']['key']} ({stage}); usually" in conformance.report(result)
+
+
+def test_checker_takes_any_subset_and_the_cli_reports_it(tmp_path):
+    """A dump of a few stages is checked on those alone (the rest reported missing); the CLI exits 0 when
+    they match and 1 when one differs, naming it; an unknown case is one error line, exit 2."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "laguna")
+    full = conformance.record_fastpath(target, drafter, spec["request"])
+    subset = {k: v for k, v in full.items() if k.startswith(("drafts.", "accepted.")) or k == "tokens"}
+    save_file(subset, tmp_path / "subset.safetensors")
+    good = run_cli("check", str(tmp_path / "subset.safetensors"), "--case", "laguna", script="conformance.py")
+    assert good.returncode == 0 and "conforms: every stage given matches" in good.stdout
+    assert re.search(r"^  features\.0 +missing$", good.stdout, re.M)
+    subset["drafts.2"] = subset["drafts.2"].flip(0) if len(subset["drafts.2"]) > 1 else subset["drafts.2"] + 1
+    save_file(subset, tmp_path / "bad.safetensors")
+    bad = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "laguna", script="conformance.py")
+    assert bad.returncode == 1 and "first difference: drafts.2 (drafts); usually the readout" in bad.stdout
+    unknown = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "nope", script="conformance.py")
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines()[-1].startswith(
+        "error: --case = 'nope' is not in ")

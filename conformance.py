@@ -1,0 +1,465 @@
+"""A conformance kit for DFlash ports: golden values at every stage of a few rounds, written from dflash.py.
+
+Each case in conformance/<case>/ is a tiny float32 checkpoint pair in a released format, a request, and
+the values dflash.py computes at every stage of its first rounds:
+
+    target/, drafter/         config.json + model.safetensors (a vocabulary of 8, so drafts are often right)
+    case.json                 the request, the stage list with each stage's tolerance and usual pitfall
+    expected.safetensors      '<stage>.<round>' tensors, and 'tokens'
+
+A port runs the request on the pair, writes what it computed under the same names (any subset) into one
+safetensors file, and the checker reports, stage by stage, the first position and value that differ and
+which pitfall that stage usually means:
+
+    $ python conformance.py write                                  # the kit, from dflash.py
+    $ python conformance.py dump-fastpath --case laguna --out d.safetensors   # this project's twin
+    $ python conformance.py check d.safetensors --case laguna
+
+Rounds: round 0 is the prefill (the prompt's features and context); round r ≥ 1 drafts a block, verifies
+it and appends the accepted rows and the bonus's predecessor to the context. Shapes: P prompt, k drafts
+verified this round (K, or fewer near max_new_tokens), W block rows (B, or K+1), a accepted drafts.
+"""
+import argparse
+import json
+import sys
+from contextlib import ExitStack, closing
+from pathlib import Path
+from unittest import mock
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import dflash
+import fastpath
+
+KIT = Path(__file__).resolve().parent / "conformance"
+ROUNDS = 8        # stages are kept for rounds 0..ROUNDS; the tokens for the whole generation
+VOCAB, H, T_LAYERS, MAX_POS = 8, 32, 6, 128
+
+# Stages in the order a round computes them: name -> (shape, atol = rtol, the pitfall it usually means).
+STAGES = {
+    "hidden": ("(W, H)", 1e-4, "the drafter's block: a sliding layer run as full attention, no window, causal "
+               "and bidirectional layers mixed up, the block at the wrong positions, or a missing gate"),
+    "top5_logits": ("(W-1, 5)", 1e-3, "the LM head over the drafter's rows 1..W-1: the final norm, or the "
+                    "rows read shifted by one"),
+    "top5_ids": ("(W-1, 5)", 0, "the LM head over the drafter's rows 1..W-1, read shifted by one"),
+    "drafts": ("(k,)", 0, "the readout shifted by one: drafts from rows 0..W-2 instead of 1..W-1 (next-token "
+               "labels, or anchor-first rows read as same-position), or more drafts than max_new_tokens allows"),
+    "uniforms": ("(K+1,)", 0, "the sampling uniforms: draw the kit's to reproduce a sampled case"),
+    "features": ("(P or k+1, n·H)", 1e-4, "the captured target layers: a wrong layer index (one layer off), "
+                 "the output after the final norm, or HF hidden_states[i] instead of [i + 1]"),
+    "accepted": ("()", 0, "verification: the comparison with the target's choice, or the rejection rule"),
+    "context": ("(P or a+1, H)", 1e-4, "the projected context: a missing Laguna per-capture norm "
+                "(aux_hidden_norms), or the wrong rows appended: the bonus token's hidden state put into "
+                "the context too early (a row past the accepted drafts), or rejected rows kept"),
+    "ctx_keys": ("(hk, S, d)", 1e-4, "layer 0's context keys: no input norm on the context before k/v "
+                 "(Laguna), a missing k_norm, or RoPE at the wrong context positions"),
+    "ctx_values": ("(hk, S, d)", 1e-4, "layer 0's context values: no input norm on the context (Laguna)"),
+}
+TOKENS_PITFALL = "the commit: the bonus token, stop handling, or trimming at max_new_tokens"
+
+CASES = {
+    "zlab-qwen3": dict(
+        about="z-lab DFlashDraftModel (Qwen3-8B-DFlash-b16 layout): top-level block_size, full bidirectional "
+              "attention, a Qwen3 target", target="qwen3", fmt="zlab", block_size=8, layers=2,
+        layer_ids=[1, 3, 4], prompt_len=6, max_new_tokens=24),
+    "zlab-new-window": dict(
+        about="the newer z-lab layout (dflash_config.block_size, rope_parameters, sliding and full layers, "
+              "window 6) with a context long enough that the window bites, a Llama target",
+        target="llama", fmt="zlab-new", block_size=8, layers=3, window=6, layer_ids=[1, 4], prompt_len=10,
+        max_new_tokens=24),
+    "laguna": dict(
+        about="poolside Laguna: fused qkv_proj, softplus per-head gate, per-capture norms, causal sliding "
+              "layers (window 6), input norm on the context, a Laguna (MoE, hybrid) target",
+        target="laguna", fmt="laguna", block_size=8, layers=2, window=6, layer_ids=[0, 2, 5], prompt_len=9,
+        max_new_tokens=24),
+    "k3-block-width": dict(
+        about="K = 3 < B - 1 = 7, the drafter computing all B rows (z-lab)", target="qwen3", fmt="zlab",
+        block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=5, max_new_tokens=20, num_drafts=3),
+    "k3-drafts-width": dict(
+        about="K = 3 < B - 1 = 7, the drafter computing K+1 rows", target="qwen3", fmt="zlab", block_size=8,
+        layers=2, layer_ids=[1, 3, 4], prompt_len=5, max_new_tokens=20, num_drafts=3, full_block=False),
+    "sampled": dict(
+        about="sampled at T 0.9, top-p 0.95: the stored uniforms decide every accept and draw",
+        target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=6,
+        max_new_tokens=24, temperature=0.9, top_p=0.95, seed=11),
+}
+
+
+# -----------------------------------------------------------------------------
+# The checkpoint pair of a case, from seeded draws (byte-identical wherever torch's CPU generator is)
+
+def target_config(family: str) -> dict:
+    """config.json of a tiny target: only the keys that matter, so that the file does not change with the
+    transformers version (its defaults fill the rest at load)."""
+    common = dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=64, num_hidden_layers=T_LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if family in ("qwen3", "llama"):
+        return {"model_type": family, "architectures": [{"qwen3": "Qwen3", "llama": "Llama"}[family] + "ForCausalLM"],
+                **common}
+    return {"model_type": "laguna", "architectures": ["LagunaForCausalLM"], **common, "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention"] * 3, "num_attention_heads_per_layer": [4, 2] * 3,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32}
+
+
+def seeded(shape, name: str, generator) -> torch.Tensor:
+    """Norms near 1, matrices with unit-variance outputs; the target's LM head 4x, so argmaxes are clear."""
+    if len(shape) == 1:
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    scale = 4.0 if name == "lm_head.weight" else 1.0
+    return torch.randn(shape, generator=generator) * scale / shape[-1] ** 0.5
+
+
+def write_target(directory: Path, family: str, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    raw = target_config(family)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(raw, indent=1, sort_keys=True))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: seeded(t.shape, name, g) if t.is_floating_point() else t.clone()
+               for name, t in sorted(model.state_dict().items())}
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def drafter_config(case: dict) -> dict:
+    fmt, L, B = case["fmt"], case["layers"], case["block_size"]
+    arch = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=L, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=VOCAB)
+    nested = {"mask_token_id": VOCAB - 1, "target_layer_ids": case["layer_ids"]}
+    if fmt == "zlab":
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "block_size": B,
+                "rope_theta": 1000000.0, "num_target_layers": T_LAYERS, "layer_types": ["full_attention"] * L,
+                "dflash_config": nested}
+    if fmt == "zlab-new":
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"][:L],
+                "sliding_window": case["window"], "dflash_config": {"block_size": B, **nested}}
+    return {"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna", **arch, "gating": "per-head",
+            "layer_types": ["sliding_attention"] * L, "sliding_window": case["window"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "dflash_config": {"block_size": B, "num_target_layers": T_LAYERS, "causal": True, **nested}}
+
+
+def write_drafter(directory: Path, case: dict, seed: int):
+    raw = drafter_config(case)
+    n = len(case["layer_ids"])
+    shapes = dflash.checkpoint_tensors(dflash.Drafter(dflash.load_draft_config(raw, T_LAYERS, n * H)))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: seeded(t.shape, name, g) for name, t in sorted(shapes.items())}
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(raw, indent=1, sort_keys=True))
+
+
+# -----------------------------------------------------------------------------
+# Recording the stages of a generation
+
+class Recorder:
+    """'<stage>.<round>' -> tensor, for rounds 0..ROUNDS; `calls` counts target passes (round = calls - 1)."""
+
+    def __init__(self):
+        self.values, self.calls, self.target_margin = {}, 0, float("inf")
+
+    def put(self, stage: str, r: int, value):
+        if r <= ROUNDS:
+            self.values[f"{stage}.{r}"] = torch.as_tensor(value).detach().to("cpu").clone()
+
+    def put_readout(self, r: int, hidden, target):
+        self.put("hidden", r, hidden)
+        top = target.get_output_embeddings()(hidden[1:]).topk(5, dim=-1)               # (W-1, 5) each
+        self.put("top5_logits", r, top.values)
+        self.put("top5_ids", r, top.indices)
+
+
+def record_reference(target, drafter, request: dict, generate=None):
+    """dflash.generate on the request, every stage recorded by wrapping the functions it calls (the math
+    itself is untouched). `generate` swaps in a variant (the tests' broken ports). -> the values, the
+    Generation, and the Recorder (its target_margin: the least top-2 logit gap of the target's rows)."""
+    rec, d = Recorder(), dflash
+    real = {name: getattr(d, name) for name in ("target_forward", "propose", "draft_block", "verify",
+                                                "append_context")}
+    real_project = d.Drafter.project_context
+
+    def target_forward(*args):
+        logits, features = real["target_forward"](*args)
+        top2 = logits.topk(2, dim=-1).values                                            # (N, 2)
+        rec.target_margin = min(rec.target_margin, float((top2[:, 0] - top2[:, 1]).min()))
+        rec.put("features", rec.calls, features)
+        rec.calls += 1
+        return logits, features
+
+    def draft_block(drafter_, ctx, block_embeds):
+        rec.last_hidden = real["draft_block"](drafter_, ctx, block_embeds)
+        return rec.last_hidden
+
+    def propose(drafter_, ctx, block, target_):
+        drafts = real["propose"](drafter_, ctx, block, target_)
+        rec.put_readout(rec.calls, rec.last_hidden, target_)
+        return drafts
+
+    def verify(drafts, logits, sampling, uniforms):
+        accepted, token = real["verify"](drafts, logits, sampling, uniforms)
+        r = rec.calls - 1
+        rec.put("uniforms", r, uniforms)
+        if r > 0:
+            rec.put("drafts", r, drafts)
+            rec.put("accepted", r, torch.tensor(accepted))
+        return accepted, token
+
+    def project_context(self, features):
+        c = real_project(self, features)
+        rec.put("context", rec.calls - 1, c)
+        return c
+
+    def append_context(drafter_, ctx, c):
+        real["append_context"](drafter_, ctx, c)
+        rec.put("ctx_keys", rec.calls - 1, ctx.keys[0])
+        rec.put("ctx_values", rec.calls - 1, ctx.values[0])
+
+    with ExitStack() as patches:
+        for name, fn in [("target_forward", target_forward), ("propose", propose), ("draft_block", draft_block),
+                         ("verify", verify), ("append_context", append_context)]:
+            patches.enter_context(mock.patch.object(d, name, fn))
+        patches.enter_context(mock.patch.object(d.Drafter, "project_context", project_context))
+        gen = (generate or d.generate)(target, drafter, request["prompt_ids"], request["max_new_tokens"],
+                                       **generate_kwargs(request))
+    return rec.values | {"tokens": torch.tensor(gen.tokens)}, gen, rec
+
+
+def record_fastpath(target, drafter, request: dict) -> dict:
+    """fastpath.generate (eager, on CPU) on the request, its stages recorded as the reference's are. It
+    verifies K+1 rows and writes K+1 context rows every round; the rows past the accepted ones, which its
+    masks hide and the next round overwrites, are left out."""
+    rec, f = Recorder(), fastpath
+    real = {name: getattr(f, name) for name in ("propose", "draft_block", "verify", "append_context")}
+    real_forward = {cls: cls.forward for cls in (f.DenseTarget, f.ModelTarget)}
+    rec.features, rec.prefill_context = [], None   # target passes since the last verify; prefill rows so far
+
+    def forward_of(cls):
+        def forward(self, ids, positions):
+            logits, features = real_forward[cls](self, ids, positions)
+            rec.features.append(features)
+            return logits, features
+        return forward
+
+    def draft_block(drafter_, buf, block_embeds):
+        rec.last_hidden = real["draft_block"](drafter_, buf, block_embeds)
+        return rec.last_hidden
+
+    def propose(drafter_, buf, block, target_):
+        drafts = real["propose"](drafter_, buf, block, target_)
+        if int(buf.max_accept) > 0:   # the reference drafts only where a draft can be verified
+            rec.put_readout(rec.calls, rec.last_hidden, target_)
+        return drafts
+
+    def verify(drafts, logits, sampling, uniforms, max_accept):
+        accepted, token = real["verify"](drafts, logits, sampling, uniforms, max_accept)
+        k, r = int(max_accept), rec.calls   # calls counts verifications here, the prefill's first
+        rec.put("features", r, torch.cat(rec.features) if r == 0 else rec.features[-1][:k + 1])
+        if r > 0:
+            rec.put("drafts", r, drafts[:k])
+            rec.put("accepted", r, torch.tensor(int(accepted)))
+        rec.put("uniforms", r, uniforms)
+        rec.accepted, rec.features = int(accepted), []
+        rec.calls += 1
+        return accepted, token
+
+    def append_context(drafter_, buf, c, positions):
+        real["append_context"](drafter_, buf, c, positions)
+        if rec.calls == 0:   # prefill chunks, appended before the prefill's verify
+            r = 0
+            rec.prefill_context = c if rec.prefill_context is None else torch.cat([rec.prefill_context, c])
+            rows, length = rec.prefill_context, int(positions[-1]) + 1
+        else:                # after a round's verify: the accepted drafts' rows and the bonus's
+            r = rec.calls - 1
+            rows, length = c[:rec.accepted + 1], int(positions[0]) + rec.accepted + 1
+        rec.put("context", r, rows)
+        rec.put("ctx_keys", r, buf.ctx_keys[0][:, :length])
+        rec.put("ctx_values", r, buf.ctx_values[0][:, :length])
+
+    with ExitStack() as patches:
+        for name, fn in [("propose", propose), ("draft_block", draft_block), ("verify", verify),
+                         ("append_context", append_context)]:
+            patches.enter_context(mock.patch.object(f, name, fn))
+        for cls in real_forward:
+            patches.enter_context(mock.patch.object(cls, "forward", forward_of(cls)))
+        gen = f.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"],
+                         **generate_kwargs(request))
+    return rec.values | {"tokens": torch.tensor(gen.tokens)}
+
+
+def generate_kwargs(request: dict) -> dict:
+    sampling = dflash.Sampling(request["temperature"], request["top_p"], request["top_k"])
+    return dict(num_drafts=request["num_drafts"], full_block=request["full_block"], sampling=sampling,
+                seed=request["seed"])
+
+
+# -----------------------------------------------------------------------------
+# Writing the kit
+
+def request_of(name: str, case: dict) -> dict:
+    g = torch.Generator().manual_seed(len(name))
+    return {"prompt_ids": torch.randint(0, VOCAB - 1, (case["prompt_len"],), generator=g).tolist(),
+            "max_new_tokens": case["max_new_tokens"], "num_drafts": case.get("num_drafts"),
+            "full_block": case.get("full_block", True), "temperature": case.get("temperature", 0.0),
+            "top_p": case.get("top_p", 1.0), "top_k": 0, "seed": case.get("seed", 0)}
+
+
+def load_case(case_dir: Path):
+    """The pair (float32, CPU) and the request of a kit case."""
+    case_dir = Path(case_dir)
+    spec = dflash.read_file(case_dir / "case.json", "conformance case")
+    target = dflash.load_target(str(case_dir / "target"), torch.float32, "cpu")
+    drafter = dflash.load_drafter(str(case_dir / "drafter"), target, torch.float32, "cpu")
+    return target, drafter, spec
+
+
+MARGIN = 1e-2   # the least gap between the two largest logits of any row a case's tokens depend on
+
+
+def margin(values: dict, target_margin: float) -> float:
+    """The smallest top-2 logit gap over the target's rows and the recorded draft rows."""
+    draft = [float((top[:, 0] - top[:, 1]).min()) for key, top in values.items() if key.startswith("top5_logits.")]
+    return min([target_margin] + draft)
+
+
+def write_case(root: Path, name: str, case: dict, seed: int):
+    """A case's pair from the first seed (seed, seed + 2, ...) whose greedy choices all win by MARGIN, so
+    that a port's float32 rounding cannot flip a token, and whose recorded rounds accept a draft, so that
+    acceptance and a multi-row context append are checked; its request; dflash.py's values at every stage."""
+    directory, request = Path(root) / name, request_of(name, case)
+    for seed in range(seed, seed + 40, 2):
+        write_target(directory / "target", case["target"], seed)
+        write_drafter(directory / "drafter", case, seed + 1)
+        target = dflash.load_target(str(directory / "target"), torch.float32, "cpu")
+        drafter = dflash.load_drafter(str(directory / "drafter"), target, torch.float32, "cpu")
+        values, gen, recorder = record_reference(target, drafter, request)
+        clear = request["temperature"] > 0 or margin(values, recorder.target_margin) >= MARGIN
+        if clear and any(int(v) > 0 for k, v in values.items() if k.startswith("accepted.")):
+            break
+    else:
+        raise ValueError(f"conformance: no seed gives case {name} clear argmaxes and an accepted draft")
+    spec = {"case": name, "about": case["about"], "seed": seed, "request": request, "rounds_recorded": ROUNDS,
+            "stages": {stage: {"shape": shape, "tolerance": tol, "pitfall": pitfall}
+                       for stage, (shape, tol, pitfall) in STAGES.items()},
+            "tokens": {"shape": "(T,)", "tolerance": 0, "pitfall": TOKENS_PITFALL},
+            "tau": gen.tau, "acceptance_lengths": gen.acceptance_lengths}
+    (directory / "case.json").write_text(json.dumps(spec, indent=1))
+    save_file(values, directory / "expected.safetensors", metadata={"format": "pt"})
+
+
+def write_kit(root: Path = KIT):
+    for i, (name, case) in enumerate(CASES.items()):
+        write_case(root, name, case, seed=100 * (i + 1))
+
+
+# -----------------------------------------------------------------------------
+# Checking a dump
+
+def stage_order(keys) -> list[str]:
+    """The keys in the order a decode computes them: by round, then by stage; tokens last."""
+    order = list(STAGES)
+    staged = sorted((k for k in keys if k != "tokens"),
+                    key=lambda k: (int(k.rsplit(".", 1)[1]), order.index(k.rsplit(".", 1)[0])))
+    return staged + (["tokens"] if "tokens" in keys else [])
+
+
+def first_difference(got: torch.Tensor, want: torch.Tensor, tolerance: float):
+    """None if equal within tolerance, else (index, got, want) of the first element that differs."""
+    if got.shape != want.shape:
+        return "shape", tuple(got.shape), tuple(want.shape)
+    if not want.is_floating_point():
+        bad = got != want
+    else:
+        got, want = got.double(), want.double()
+        bad = ~((got - want).abs() <= tolerance * (1 + want.abs()))
+    if not bad.any():
+        return None
+    flat = int(bad.flatten().nonzero()[0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), want.shape)) if want.dim() else ()
+    return index, got[index].item(), want[index].item()
+
+
+def check(case_dir: Path, dump: dict) -> dict:
+    """Compare a dump with a case: per key 'ok', 'missing' or the first difference; the first stage that
+    differs and its pitfall."""
+    case_dir = Path(case_dir)
+    spec = dflash.read_file(case_dir / "case.json", "conformance case")
+    expected = load_file(case_dir / "expected.safetensors")
+    unknown = sorted(set(dump) - set(expected))
+    results, first = {}, None
+    for key in stage_order(expected):
+        stage = key.rsplit(".", 1)[0] if key != "tokens" else "tokens"
+        info = spec["stages"].get(stage, spec["tokens"])
+        if key not in dump:
+            results[key] = "missing"
+            continue
+        diff = first_difference(dump[key], expected[key], info["tolerance"])
+        results[key] = "ok" if diff is None else diff
+        if diff is not None and first is None:
+            first = {"key": key, "stage": stage, "difference": diff, "pitfall": info["pitfall"]}
+    return {"case": spec["case"], "results": results, "first": first, "unknown": unknown}
+
+
+def report(result: dict) -> str:
+    lines = [f"case {result['case']}"]
+    for key, outcome in result["results"].items():
+        if outcome in ("ok", "missing"):
+            lines.append(f"  {key:<16} {outcome}")
+        else:
+            index, got, want = outcome
+            what = f"shape {got}, expected {want}" if index == "shape" else \
+                f"at {list(index)}: {got!r}, expected {want!r}"
+            lines.append(f"  {key:<16} DIFFERS {what}")
+    if result["unknown"]:
+        lines.append(f"  not in the kit (ignored): {result['unknown']}")
+    first = result["first"]
+    lines.append("conforms: every stage given matches" if first is None else
+                 f"first difference: {first['key']} ({first['stage']}); usually {first['pitfall']}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# CLI
+
+def case_dir(name: str, kit: Path) -> Path:
+    directory = Path(kit) / name
+    dflash.require((directory / "case.json").is_file(), f"--case = {name!r} is not in {kit} "
+                   f"(cases: {', '.join(sorted(p.name for p in Path(kit).iterdir() if (p / 'case.json').is_file()))})")
+    return directory
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="DFlash conformance kit: golden stage values and a checker.")
+    p.add_argument("--kit", default=str(KIT), help="the kit's dir (default: conformance/ beside this file)")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("write", help="write every case from dflash.py")
+    s = sub.add_parser("dump-fastpath", help="run fastpath.py on a case and write its dump")
+    s.add_argument("--case", required=True)
+    s.add_argument("--out", required=True, help="the dump to write (.safetensors)")
+    s = sub.add_parser("check", help="compare an engine's dump with a case, stage by stage")
+    s.add_argument("dump", help="a .safetensors file of '<stage>.<round>' tensors (any subset)")
+    s.add_argument("--case", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)   # tiny models: determinism over speed
+    if args.command == "write":
+        write_kit(Path(args.kit))
+        return print(f"wrote {len(CASES)} cases to {args.kit}")
+    directory = case_dir(args.case, Path(args.kit))
+    if args.command == "dump-fastpath":
+        target, drafter, spec = load_case(directory)
+        save_file(record_fastpath(target, drafter, spec["request"]), args.out)
+        return print(f"wrote {args.out}")
+    dump = dflash.read_file(Path(args.dump), "dump", load_file)
+    result = check(directory, dump)
+    print(report(result))
+    if result["first"] is not None:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    dflash.run_cli(main)
