@@ -696,6 +696,10 @@ def cache_kwarg(model_class) -> str:
 
 # -----------------------------------------------------------------------------
 # CLI
+# On CPU a verify is compute-bound: on the default pair (2 threads, float32) 4 rows cost 1.5x a 1-row step
+# and 16 rows 2.3x, so the CLI drafts at most this many there unless --num-drafts says otherwise (measured:
+# README, "How well it drafts"; drafter/SmolLM2-135M-Instruct-DFlash-b16/cpu-k.json).
+CPU_NUM_DRAFTS = 7
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -718,7 +722,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-ids", help="comma-separated token ids, instead of --prompt")
     p.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
-    p.add_argument("--num-drafts", type=int, help="drafts K per step (default block_size - 1)")
+    p.add_argument("--num-drafts", type=int, help=f"drafts K per step (default block_size - 1; on CPU at most "
+                   f"{CPU_NUM_DRAFTS}, where a wider verify costs more than it gains)")
     p.add_argument("--compute-width", choices=["block", "drafts"], default="block", help="drafter rows: B or K+1")
     p.add_argument("--target-only", action="store_true", help="decode with the target alone, same loop")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples, losslessly")
@@ -754,7 +759,8 @@ def main(argv=None, generate_fn=None):
     require(ids is not None or tokenizer is not None, f"--target '{target_path}' has no tokenizer: pass --prompt-ids")
     prompt_ids = [int(t) for t in ids] if ids is not None else offline.encode_prompt(tokenizer, args.prompt,
                                                                                       not args.no_chat)
-    K = 0 if block_size is None else block_size - 1 if args.num_drafts is None else args.num_drafts
+    K = 0 if block_size is None else args.num_drafts if args.num_drafts is not None else \
+        min(CPU_NUM_DRAFTS, block_size - 1) if device == "cpu" else block_size - 1
     check_request(prompt_ids, args.max_new_tokens, K, vocab_rows=tcfg.vocab_size,
                   max_positions=tcfg.max_position_embeddings, block_size=block_size)
 
@@ -763,7 +769,7 @@ def main(argv=None, generate_fn=None):
     t0, generate_fn = time.perf_counter(), generate_fn or generate
     printer = None if args.json else offline.printer(tokenizer)
     try:
-        gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=args.num_drafts,
+        gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=K or None,
                           full_block=args.compute_width == "block", stop_ids=offline.stop_token_ids(target, tokenizer),
                           on_tokens=printer, sampling=sampling, seed=args.seed)
     except Interrupted as stop:
