@@ -1776,8 +1776,21 @@ def test_batch_decoder_compiled_layers_trace_once_and_equal_eager(tmp_path):
     for dec in (eager, traced):
         dec.BUCKET = 16                                                            # spans 48..112: five buckets
     assert traced.generate(prompts, 60) == eager.generate(prompts, 60)
-    assert counter.frame_count <= 3                                                # not one per layer or span
+    assert counter.frame_count <= 3 and traced.compiled                            # not one per layer or span
     assert traced.generate(prompts, 30, temperature=0.8, seed=2) == eager.generate(prompts, 30, temperature=0.8, seed=2)
+
+
+def test_batch_decoder_runs_eagerly_where_the_compile_fails(tmp_path, capsys):
+    """A backend that fails leaves the decoder eager, with a message, and the same tokens."""
+    def broken(gm, example_inputs):
+        raise RuntimeError("no backend here")
+    target = dflash.load_target(str(write_target(tmp_path / "qwen3", "qwen3")), torch.float32, "cpu")
+    prompts = [[5, 6, 7], [8, 9]]
+    eager, failing = (train.BatchDecoder(target, batch_size=2, capacity=40) for _ in range(2))
+    torch._dynamo.reset()
+    failing.compile(backend=broken)
+    assert failing.generate(prompts, 20) == eager.generate(prompts, 20) and not failing.compiled
+    assert "BatchDecoder: the step cannot be compiled (BackendCompilerFailed" in capsys.readouterr().err
 
 
 def test_frozen_head_cross_entropy_equals_full_logits():

@@ -97,10 +97,26 @@ class BatchDecoder:
 
     def compile(self, backend: str = "inductor"):
         """Compile the layer function and the head with fullgraph=True (tests trace them on CPU with
-        backend="aot_eager"). The same math: only how the kernels are fused changes."""
-        self.layer = torch.compile(fastpath.dense_layer, fullgraph=True, backend=backend)
-        self.head = torch.compile(self.next_ids, fullgraph=True, backend=backend)
+        backend="aot_eager"). The same math: only how the kernels are fused changes. Where a compile
+        fails (outside a capture), both run eagerly from then on, and a message says so."""
+        layer = torch.compile(fastpath.dense_layer, fullgraph=True, backend=backend)
+        head = torch.compile(self.next_ids, fullgraph=True, backend=backend)
+        self.layer, self.head = self.or_eager(layer, fastpath.dense_layer), self.or_eager(head, self.next_ids)
         self.compiled = True
+
+    def or_eager(self, compiled, eager):
+        def run(*args):
+            if self.compiled:
+                try:   # a failed compile launches nothing, so running the same call eagerly is exact
+                    return compiled(*args)
+                except torch._dynamo.exc.TorchDynamoException as err:
+                    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                        raise
+                    print(f"BatchDecoder: the step cannot be compiled ({type(err).__name__}: "
+                          f"{(str(err).splitlines() or [''])[0][:160]}); running it eagerly.", file=sys.stderr)
+                    self.compiled = False
+            return eager(*args)
+        return run
 
     def visible(self, query_slots, S: int):
         """(N,) query slots -> (Bt, N, S): a real query sees the real slots up to its own; a padding
