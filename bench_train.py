@@ -62,7 +62,7 @@ def bench_distill(target, prompts, max_new: int, hf_max_new: int, bandwidth: flo
     """BatchDecoder and HF generate on the same prompts and batch; rows run to max_new (no stops)."""
     Bt, P = len(prompts), max(map(len, prompts))
     decoder = train.BatchDecoder(target, Bt, P + max_new)
-    decoder.generate(prompts, max_new)                         # captures every bucket's graph
+    decoder.generate(prompts, max_new)                         # compiles and captures every bucket's graph: untimed
     rows = []
     for new in sorted({hf_max_new, max_new}):
         seconds = statistics.median(timed(lambda: decoder.generate(prompts, new)) for _ in range(3))

@@ -132,6 +132,26 @@ def fuse_drafter(drafter: Drafter) -> FusedDrafter:
 # -----------------------------------------------------------------------------
 # Target capture: the target's forward at device positions, into static K/V, with its features
 
+def dense_layer(layer, apply_rotary, qkv, gate_up, keys, values, x, cos, sin, slots, visible):
+    """One Llama/Qwen3 decoder layer of `DenseTarget.rows`: x (Bt, N, H) -> x after the layer, its K/V
+    written into keys/values (Bt, hk, C, d) at buffer slots (N,); each query sees the first S slots
+    where visible (Bt, N, S). The model's own norms, RoPE (`apply_rotary`), o/down projections and
+    SiLU; [q; k; v] and [gate; up] as the fused matrices qkv and gate_up. Everything a layer owns comes
+    in as an argument, so one compiled copy of this function serves every layer."""
+    attn, (Bt, N, _), hk, d, S = layer.self_attn, x.shape, keys.shape[1], keys.shape[3], visible.shape[-1]
+    q, k, v = (layer.input_layernorm(x) @ qkv.T).split([qkv.shape[0] - 2 * hk * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(Bt, N, -1, d), k.view(Bt, N, hk, d), v.view(Bt, N, hk, d)
+    if hasattr(attn, "q_norm"):   # Qwen3 normalises q and k per head before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=2)                                # cos, sin as (Bt, N, 1, d)
+    keys.index_copy_(2, slots, k.transpose(1, 2))
+    values.index_copy_(2, slots, v.transpose(1, 2))
+    o = attend(q, keys[:, :, :S], values[:, :, :S], visible, attn.scaling)
+    x = x + attn.o_proj(o)
+    gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, dim=-1)
+    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                         # (Bt, N, H)
+
+
 class DenseTarget:
     """A Llama/Qwen3 decoder stack run here: one [q;k;v] and one [gate;up] matmul per layer, K/V in
     static per-layer (Bt, hk, C, d) buffers (Bt = 1 for a Decoder; train.BatchDecoder decodes many
@@ -172,29 +192,18 @@ class DenseTarget:
         hidden, features = self.rows(ids[None], positions[None], positions, visible[None])
         return self.target.lm_head(hidden[0]), None if features is None else features[0]
 
-    def rows(self, ids, positions, slots, visible):
+    def rows(self, ids, positions, slots, visible, layer_fn=None):
         """Bt rows at once: ids (Bt, N) at positions (Bt, N), their K/V written at buffer slots (N,) of
         every row; each query sees the first S slots where visible (Bt, N, S) -> final-normed hidden
-        states (Bt, N, H) and captured features (Bt, N, n·H)."""
-        model, (Bt, N), d, hk = self.target.model, ids.shape, self.head_dim, self.num_kv_heads
-        S = visible.shape[-1]
+        states (Bt, N, H) and captured features (Bt, N, n·H). `layer_fn` runs each layer (default
+        `dense_layer`; train.BatchDecoder passes a compiled one)."""
+        model, layer_fn = self.target.model, layer_fn or dense_layer
         x = model.embed_tokens(ids)                                                     # (Bt, N, H)
         cos, sin = model.rotary_emb(x, positions)                                       # (Bt, N, d)
         captured = {}
         for l, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = (layer.input_layernorm(x) @ self.qkv[l].T).split(
-                [self.qkv[l].shape[0] - 2 * hk * d, hk * d, hk * d], dim=-1)
-            q, k, v = q.view(Bt, N, -1, d), k.view(Bt, N, hk, d), v.view(Bt, N, hk, d)
-            if hasattr(attn, "q_norm"):   # Qwen3 normalises q and k per head before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=2)                   # cos, sin as (Bt, N, 1, d)
-            self.batch_keys[l].index_copy_(2, slots, k.transpose(1, 2))
-            self.batch_values[l].index_copy_(2, slots, v.transpose(1, 2))
-            o = attend(q, self.batch_keys[l][:, :, :S], self.batch_values[l][:, :, :S], visible, attn.scaling)
-            x = x + attn.o_proj(o)
-            gate, up = (layer.post_attention_layernorm(x) @ self.gate_up[l].T).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                    # (Bt, N, H)
+            x = layer_fn(layer, self.apply_rotary, self.qkv[l], self.gate_up[l], self.batch_keys[l],
+                         self.batch_values[l], x, cos, sin, slots, visible)             # (Bt, N, H)
             captured[l] = x
         features = torch.cat([captured[i] for i in self.layer_ids], -1) if self.layer_ids else None
         return model.norm(x), features                                                  # (Bt, N, H), (Bt, N, n·H)

@@ -1760,6 +1760,40 @@ def test_batch_decoder_samples_from_the_target_distribution(tiny):
     assert [r[0] for r in decoder.generate([prompt] * 4, 1)] == [int(logits.argmax())] * 4
 
 
+def test_batch_decoder_compiled_layers_trace_once_and_equal_eager(tmp_path):
+    """The layer function and head that BatchDecoder compiles on CUDA trace with fullgraph=True through
+    AOTAutograd, as inductor would take them: one trace serves all 6 layers and every span S (the span
+    is dynamic), one more serves the prefill, one the head; greedy and sampled tokens equal the eager
+    decoder's exactly (float32)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    target = dflash.load_target(str(write_target(tmp_path / "llama", "llama")), torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9, 1, 33)]
+    eager, traced = (train.BatchDecoder(target, batch_size=8, capacity=120) for _ in range(2))
+    assert not eager.compiled                                                      # CPU: eager by default
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    traced.compile(backend=counter)
+    for dec in (eager, traced):
+        dec.BUCKET = 16                                                            # spans 48..112: five buckets
+    assert traced.generate(prompts, 60) == eager.generate(prompts, 60)
+    assert counter.frame_count <= 3 and traced.compiled                            # not one per layer or span
+    assert traced.generate(prompts, 30, temperature=0.8, seed=2) == eager.generate(prompts, 30, temperature=0.8, seed=2)
+
+
+def test_batch_decoder_runs_eagerly_where_the_compile_fails(tmp_path, capsys):
+    """A backend that fails leaves the decoder eager, with a message, and the same tokens."""
+    def broken(gm, example_inputs):
+        raise RuntimeError("no backend here")
+    target = dflash.load_target(str(write_target(tmp_path / "qwen3", "qwen3")), torch.float32, "cpu")
+    prompts = [[5, 6, 7], [8, 9]]
+    eager, failing = (train.BatchDecoder(target, batch_size=2, capacity=40) for _ in range(2))
+    torch._dynamo.reset()
+    failing.compile(backend=broken)
+    assert failing.generate(prompts, 20) == eager.generate(prompts, 20) and not failing.compiled
+    assert "BatchDecoder: the step cannot be compiled (BackendCompilerFailed" in capsys.readouterr().err
+
+
 def test_frozen_head_cross_entropy_equals_full_logits():
     """The chunked loss through the frozen head equals the weighted cross-entropy of the whole
     logits matrix, value and gradient, with chunks that do not divide the rows."""

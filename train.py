@@ -65,13 +65,18 @@ class BatchDecoder:
     RoPE position is slot - padding. A step's attention reads only the first S slots, S the slot
     rounded up to BUCKET; on CUDA each (S, temperature) step is captured once as a CUDA graph and
     replayed, and a sampled step's exponential noise is drawn outside the graph from a generator seeded
-    per call, as fastpath draws its uniforms. On CPU the same steps run eagerly."""
+    per call, as fastpath draws its uniforms. On CPU the same steps run eagerly.
 
-    BUCKET = 128          # attention span granularity: one graph per bucket
-    PREFILL_CHUNK = 64    # prompt positions per eager prefill pass (scores are Bt × chunk × S)
+    On CUDA the layers and the head are compiled (`compile`), regionally: one compiled
+    `fastpath.dense_layer` serves all layers, every span S (dynamic) and, with a second compile, the
+    prefill, so compiling costs one layer's worth, not one per layer and bucket. Inductor fuses each
+    layer's norms, RoPE, K/V writes, masked softmax, SiLU·up and residuals around the matmuls."""
+
+    BUCKET = 32           # attention span granularity: one graph per bucket (graphs are cheap: the compile is shared)
+    PREFILL_CHUNK = 64    # prompt positions per prefill pass (scores are Bt × chunk × S)
     STOP_CHECK = 32       # steps between host reads of "has every row stopped?"
 
-    def __init__(self, target, batch_size: int, capacity: int):
+    def __init__(self, target, batch_size: int, capacity: int, compiled: bool | None = None):
         dflash.require(fastpath.DenseTarget.supports(target),
                        f"BatchDecoder: {target.config.model_type} targets are not dense Llama/Qwen3 stacks")
         self.target, self.batch_size, self.capacity = target, batch_size, capacity
@@ -84,14 +89,45 @@ class BatchDecoder:
         self.noise = None                                                              # (Bt, V) once sampling
         self.generator = torch.Generator(self.device)
         self.graphs = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.layer, self.head = fastpath.dense_layer, self.next_ids                    # eager until compiled
+        self.compiled = False
+        if self.device.type == "cuda" if compiled is None else compiled:   # default: compile on CUDA only
+            self.compile()
+
+    def compile(self, backend: str = "inductor"):
+        """Compile the layer function and the head with fullgraph=True (tests trace them on CPU with
+        backend="aot_eager"). The same math: only how the kernels are fused changes. Where a compile
+        fails (outside a capture), both run eagerly from then on, and a message says so."""
+        layer = torch.compile(fastpath.dense_layer, fullgraph=True, backend=backend)
+        head = torch.compile(self.next_ids, fullgraph=True, backend=backend)
+        self.layer, self.head = self.or_eager(layer, fastpath.dense_layer), self.or_eager(head, self.next_ids)
+        self.compiled = True
+
+    def or_eager(self, compiled, eager):
+        def run(*args):
+            if self.compiled:
+                try:   # a failed compile launches nothing, so running the same call eagerly is exact
+                    return compiled(*args)
+                except torch._dynamo.exc.TorchDynamoException as err:
+                    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                        raise
+                    print(f"BatchDecoder: the step cannot be compiled ({type(err).__name__}: "
+                          f"{(str(err).splitlines() or [''])[0][:160]}); running it eagerly.", file=sys.stderr)
+                    self.compiled = False
+            return eager(*args)
+        return run
 
     def visible(self, query_slots, S: int):
         """(N,) query slots -> (Bt, N, S): a real query sees the real slots up to its own; a padding
-        query sees the padding before it (never an empty row, whose softmax would be NaN)."""
+        query sees the padding before it (never an empty row, whose softmax would be NaN). S is marked
+        dynamic, so that the compiled layer is traced once for every span."""
         keys, q = self.slots[:S], query_slots[:, None]                                # (S,), (N, 1)
         real_key = keys[None, None] >= self.padding[:, None, None]                      # (Bt, 1, S)
         padding_query = q[None] < self.padding[:, None, None]                          # (Bt, N, 1)
-        return (keys[None, None] <= q[None]) & (real_key | padding_query)              # (Bt, N, S)
+        visible = (keys[None, None] <= q[None]) & (real_key | padding_query)           # (Bt, N, S)
+        torch._dynamo.maybe_mark_dynamic(visible, 2)
+        return visible
 
     def choose(self, logits, temperature: float):
         """Next ids (Bt,) from logits (Bt, V): the argmax, or a sample at `temperature` (the exponential
@@ -100,11 +136,16 @@ class BatchDecoder:
             return logits.argmax(-1)
         return ((logits.float() / temperature).softmax(-1) / self.noise).argmax(-1)
 
+    def next_ids(self, hidden, temperature: float):
+        """Final-normed hidden states (Bt, H) -> next ids (Bt,)."""
+        return self.choose(self.target.lm_head(hidden), temperature)
+
     def step(self, S: int, temperature: float):
         """One token for every row: ids at the slot -> next ids, in place."""
         positions = (self.slot - self.padding)[:, None]                                # (Bt, 1)
-        hidden, _ = self.stack.rows(self.ids[:, None], positions, self.slot[None], self.visible(self.slot[None], S))
-        self.ids.copy_(self.choose(self.target.lm_head(hidden[:, 0]), temperature))
+        hidden, _ = self.stack.rows(self.ids[:, None], positions, self.slot[None], self.visible(self.slot[None], S),
+                                    self.layer)                                        # (Bt, 1, H)
+        self.ids.copy_(self.head(hidden[:, 0], temperature))
 
     def draw_noise(self, temperature: float):
         if temperature > 0:
@@ -119,12 +160,15 @@ class BatchDecoder:
             ids = self.ids.clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):   # warm-up outside capture, then capture
-                self.step(S, temperature)
+            with torch.cuda.stream(stream):   # warm-up (and the first compile) outside capture, then capture
+                for _ in range(2):
+                    self.step(S, temperature)
+                    self.ids.copy_(ids)   # undo the warm-up's token (its K/V write is redone by the replay)
             torch.cuda.current_stream().wait_stream(stream)
-            self.ids.copy_(ids)   # the warm-up ran the step: undo its token (its K/V write is redone by the replay)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # One memory pool for every bucket's graph: they never run at once and keep nothing in it
+            # between replays (the step's only output is written into self.ids).
+            with torch.cuda.graph(graph, pool=self.pool):
                 self.step(S, temperature)
             self.graphs[key] = graph
         self.graphs[key].replay()
@@ -134,6 +178,11 @@ class BatchDecoder:
                  seed: int = 0) -> list[list[int]]:
         """Responses to up to batch_size prompts, each cut after its first stop token (greedy at
         temperature 0, else sampled). Runs until every row has stopped or max_new_tokens."""
+        # The compiled layer is one function for every layer and target: allow it many guarded entries.
+        with torch._dynamo.config.patch(recompile_limit=1024):
+            return self._generate(prompts, max_new_tokens, stop_ids, temperature, seed)
+
+    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, seed):
         Bt, P = self.batch_size, max(map(len, prompts))
         dflash.require(0 < len(prompts) <= Bt, f"BatchDecoder: {len(prompts)} prompts for a batch of {Bt}")
         dflash.require(P + max_new_tokens <= self.capacity,
@@ -149,9 +198,9 @@ class BatchDecoder:
         for first in range(0, P, self.PREFILL_CHUNK):
             slots = self.slots[first:min(first + self.PREFILL_CHUNK, P)]               # (n,)
             hidden, _ = self.stack.rows(ids[:, slots], slots[None] - self.padding[:, None], slots,
-                                        self.visible(slots, P))
+                                        self.visible(slots, P), self.layer)
         self.draw_noise(temperature)
-        self.ids.copy_(self.choose(self.target.lm_head(hidden[:, -1]), temperature))
+        self.ids.copy_(self.next_ids(hidden[:, -1], temperature))   # eager: once per call, another stride
         self.slot.fill_(P)
         out = torch.empty(Bt, max_new_tokens, dtype=torch.long, device=self.device)     # (Bt, new)
         stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
