@@ -700,6 +700,13 @@ def cache_kwarg(model_class) -> str:
 # and 16 rows 2.3x, so the CLI drafts at most this many there unless --num-drafts says otherwise (measured:
 # README, "How well it drafts"; drafter/SmolLM2-135M-Instruct-DFlash-b16/cpu-k.json).
 CPU_NUM_DRAFTS = 7
+
+
+def default_num_drafts(block_size: int, device: str) -> int:
+    """K when none is asked for: block_size - 1, or at most CPU_NUM_DRAFTS on CPU."""
+    return min(CPU_NUM_DRAFTS, block_size - 1) if device == "cpu" else block_size - 1
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -760,7 +767,7 @@ def main(argv=None, generate_fn=None):
     prompt_ids = [int(t) for t in ids] if ids is not None else offline.encode_prompt(tokenizer, args.prompt,
                                                                                       not args.no_chat)
     K = 0 if block_size is None else args.num_drafts if args.num_drafts is not None else \
-        min(CPU_NUM_DRAFTS, block_size - 1) if device == "cpu" else block_size - 1
+        default_num_drafts(block_size, device)
     check_request(prompt_ids, args.max_new_tokens, K, vocab_rows=tcfg.vocab_size,
                   max_positions=tcfg.max_position_embeddings, block_size=block_size)
 

@@ -177,7 +177,7 @@ def main(argv=None):
     stops = offline.stop_token_ids(target, tokenizer)
     prompts = {name: [train.encode_chat(tokenizer, text) for text in offline.EVAL_DATASETS[name]()[:args.limit]]
                for name in args.datasets}
-    K = drafter.config.block_size - 1 if args.num_drafts is None else args.num_drafts
+    K = dflash.default_num_drafts(drafter.config.block_size, device) if args.num_drafts is None else args.num_drafts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
@@ -218,7 +218,8 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, help="first N prompts of each dataset")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--impl", default="dflash", choices=["dflash", "fastpath"], help="implementation that decodes")
-    p.add_argument("--num-drafts", type=int, help="drafts K per round (default block_size - 1)")
+    p.add_argument("--num-drafts", type=int, help="drafts K per round (default block_size - 1; on CPU at most "
+                   f"{dflash.CPU_NUM_DRAFTS}, as the CLI)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
