@@ -163,6 +163,10 @@ class Recorder:
 
     def __init__(self):
         self.values, self.calls, self.target_margin = {}, 0, float("inf")
+        self.last_hidden = None        # the drafter's block output, until its propose records the readout
+        self.features = []             # fastpath: target passes since the last verify
+        self.prefill_context = None    # fastpath: the prefill's context rows so far (it appends in chunks)
+        self.accepted = 0              # fastpath: the last verify's accepted count
 
     def put(self, stage: str, r: int, value):
         if r <= ROUNDS:
@@ -237,7 +241,6 @@ def record_fastpath(target, drafter, request: dict) -> dict:
     rec, f = Recorder(), fastpath
     real = {name: getattr(f, name) for name in ("propose", "draft_block", "verify", "append_context")}
     real_forward = {cls: cls.forward for cls in (f.DenseTarget, f.ModelTarget)}
-    rec.features, rec.prefill_context = [], None   # target passes since the last verify; prefill rows so far
 
     def forward_of(cls):
         def forward(self, ids, positions):

@@ -656,23 +656,26 @@ def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) 
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def load_target(path: str, dtype: torch.dtype, device: str):
+def from_target(path: str, load):
+    """load(path) for --target, a local dir or a hub id: a missing dir or a failed load ends in one line."""
     require(Path(path).is_dir() or looks_like_repo_id(path), f"--target '{path}': no such directory")
-    try:   # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there
-        experts = "eager" if device == "cpu" else None
-        target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=experts)
+    try:
+        return load(path)
     except (OSError, ValueError) as err:
         raise DFlashError(f"--target '{path}': cannot load ({str(err).splitlines()[0]})") from None
+
+
+def load_target(path: str, dtype: torch.dtype, device: str):
+    # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there
+    experts = "eager" if device == "cpu" else None
+    target = from_target(path, lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=dtype,
+                                                                             experts_implementation=experts))
     return target.to(device).eval()
 
 
 def target_config(path: str):
     """The target's config alone, read before its weights so that a request can be checked first."""
-    require(Path(path).is_dir() or looks_like_repo_id(path), f"--target '{path}': no such directory")
-    try:
-        return transformers.AutoConfig.from_pretrained(path).get_text_config()
-    except (OSError, ValueError) as err:
-        raise DFlashError(f"--target '{path}': cannot load ({str(err).splitlines()[0]})") from None
+    return from_target(path, transformers.AutoConfig.from_pretrained).get_text_config()
 
 
 def decoder_layers(target: nn.Module) -> nn.ModuleList:

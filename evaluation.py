@@ -177,7 +177,8 @@ def main(argv=None):
     stops = offline.stop_token_ids(target, tokenizer)
     prompts = {name: [train.encode_chat(tokenizer, text) for text in offline.EVAL_DATASETS[name]()[:args.limit]]
                for name in args.datasets}
-    K = dflash.default_num_drafts(drafter.config.block_size, device) if args.num_drafts is None else args.num_drafts
+    K = args.num_drafts if args.num_drafts is not None else \
+        dflash.default_num_drafts(drafter.config.block_size, device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"

@@ -1041,7 +1041,8 @@ BAD_FLAGS = {
     "train --num-features 5": ("train.py", TRAIN + ["--num-features", "5"], "--num-features = 5 gives layer ids "
                                "[1, 2, 2, 2, 3] for a 6-layer target; use 1..3"),
     "train --batch-size 0": ("train.py", TRAIN + ["--batch-size", "0"], "--batch-size = 0 must be at least 1"),
-    "train --lr 0": ("train.py", TRAIN + ["--lr", "0"], "--lr = 0.0 and --time-budget = None must be positive"),
+    "train --lr 0": ("train.py", TRAIN + ["--lr", "0"], "--lr = 0.0 must be positive"),
+    "train --time-budget 0": ("train.py", TRAIN + ["--time-budget", "0"], "--time-budget = 0.0 must be positive"),
     "train --data missing": ("train.py", TRAIN + ["--data", "{tmp}/nowhere.pt"],
                              "distilled data: {tmp}/nowhere.pt not found"),
     "train --init missing": ("train.py", TRAIN + ["--init", "{tmp}/nowhere"], "--init '{tmp}/nowhere': no such "

@@ -980,8 +980,9 @@ def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str
 
 def cmd_train(args):
     require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens")
-    dflash.require(args.lr > 0 and (args.time_budget is None or args.time_budget > 0),
-                   f"--lr = {args.lr} and --time-budget = {args.time_budget} must be positive")
+    dflash.require(args.lr > 0, f"--lr = {args.lr} must be positive")
+    dflash.require(args.time_budget is None or args.time_budget > 0,
+                   f"--time-budget = {args.time_budget} must be positive")
     dflash.require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
