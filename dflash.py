@@ -699,9 +699,9 @@ def cache_kwarg(model_class) -> str:
 
 # -----------------------------------------------------------------------------
 # CLI
-# On CPU a verify is compute-bound: on the default pair (2 threads, float32) 4 rows cost 1.5x a 1-row step
-# and 16 rows 2.3x, so the CLI drafts at most this many there unless --num-drafts says otherwise (measured:
-# README, "How well it drafts"; drafter/SmolLM2-135M-Instruct-DFlash-b16/cpu-k.json).
+# On CPU a wide verify costs well over a 1-row step, and the default pair drafted fastest at K = 7 (15.5
+# tokens/s against 12.5 at K = 15 and 12.9 for the target alone), so the CLI drafts at most this many
+# there unless --num-drafts says otherwise (README, "How well it drafts"; the drafter's cpu-k.json).
 CPU_NUM_DRAFTS = 7
 
 
