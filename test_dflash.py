@@ -2114,7 +2114,15 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     assert len(log["history"]) == 3 and log["heldout_sharegpt_indices"] == list(range(20, 24))
     assert log["data"]["training_sequences"] == 25
     assert [(m["source"], m["sequences"]) for m in log["data"]["more_data"]] == [("code", 5)]
+    assert log["at_init"] is None
     dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
+    again = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out",
+                          str(tmp_path / "d2"), "--init", str(tmp_path / "d"), "--max-steps", "1", "--heldout", "4",
+                          "--device", "cpu", "--save-dtype", "float32")
+    assert again.returncode == 0, again.stderr
+    at_init = json.loads((tmp_path / "d2" / "training.json").read_text())["at_init"]
+    assert f"held-out τ {at_init['heldout_tau']:.2f} before training" in again.stderr
+    assert at_init["heldout_tau"] >= 1 and len(at_init["heldout_acceptance"]) == 3
 
 
 

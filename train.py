@@ -1083,6 +1083,11 @@ def cmd_train(args):
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
                       cache_tokens=args.cache_tokens, seed=args.seed)
+    at_init = None   # the checkpoint's held-out τ before this phase: where its line starts
+    if args.init and heldout:
+        tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=args.batch_size)
+        at_init = {"heldout_tau": tau, "heldout_acceptance": acceptance}
+        print(f"--init {args.init}: held-out τ {tau:.2f} before training", file=sys.stderr)
     t0 = time.perf_counter()
     history = train(target, drafter, training, heldout, cfg)
     seconds = time.perf_counter() - t0
@@ -1095,7 +1100,7 @@ def cmd_train(args):
            "seconds": seconds, "data": {k: v for k, v in meta.items() if k not in ("prompt_indices", "temperatures")}
            | {"sequences": len(sequences), "training_sequences": len(training),
               "response_tokens": sum(len(q.ids) - q.prompt_len for q in training), "more_data": more_data},
-           "heldout_sharegpt_indices": heldout_indices, "history": history}
+           "heldout_sharegpt_indices": heldout_indices, "at_init": at_init, "history": history}
     (out / "training.json").write_text(json.dumps(log, indent=1))
     last = next((h for h in reversed(history) if "heldout_tau" in h), None)
     print(f"trained {len(history)} steps in {seconds:.0f}s, final loss {history[-1]['loss']:.3f}"
