@@ -132,7 +132,8 @@ def blocks_seen(log: dict) -> list[int]:
 
 def plot_training(logs: dict[str, dict], path: Path) -> bool:
     """Held-out τ against training blocks seen, one line per phase, the phases end to end (each
-    continued from the one before). Returns False where matplotlib is not installed."""
+    continued from the one before); a phase that measured its starting checkpoint (`at_init`) starts
+    its line there. Returns False where matplotlib is not installed."""
     plt = pyplot()
     if plt is None:
         return False
@@ -140,7 +141,8 @@ def plot_training(logs: dict[str, dict], path: Path) -> bool:
     start = 0
     for name, log in logs.items():
         seen = blocks_seen(log)
-        points = [(start + seen[i], h["heldout_tau"]) for i, h in enumerate(log["history"]) if "heldout_tau" in h]
+        points = [(start, log["at_init"]["heldout_tau"])] if log.get("at_init") else []
+        points += [(start + seen[i], h["heldout_tau"]) for i, h in enumerate(log["history"]) if "heldout_tau" in h]
         ax.plot([x / 1e6 for x, _ in points], [y for _, y in points], marker="o", label=name)
         start += seen[-1]
     ax.set(xlabel="training blocks seen (millions, all phases)", ylabel="held-out τ",

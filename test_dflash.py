@@ -2306,7 +2306,7 @@ def test_shipped_drafter_is_lossless_and_drafts_usefully():
     ids = train.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
     gen = dflash.generate(target, drafter, ids, 64, stop_ids=stops)
     assert_same_tokens(gen.tokens, dflash.generate(target, None, ids, 64, stop_ids=stops).tokens)
-    assert gen.tau >= 2.0, gen.tau          # observed 2.17 (phase 4: 2.25); an untrained drafter gives about 1.0
+    assert gen.tau >= 2.7, gen.tau          # observed 2.86 (phase 5: 2.17); an untrained drafter gives about 1.0
 
 
 @pytest.mark.package
