@@ -130,21 +130,27 @@ def blocks_seen(log: dict) -> list[int]:
     return list(itertools.accumulate(h.get("blocks", per_step) for h in log["history"]))
 
 
+def phase_points(logs: dict[str, dict]) -> dict[str, list[tuple[int, float]]]:
+    """(training blocks seen, held-out τ) of each phase, the phases end to end (each continued from
+    the one before); a phase that measured its starting checkpoint (`at_init`) starts there."""
+    points, start = {}, 0
+    for name, log in logs.items():
+        seen = blocks_seen(log)
+        points[name] = [(start, log["at_init"]["heldout_tau"])] if log.get("at_init") else []
+        points[name] += [(start + seen[i], h["heldout_tau"]) for i, h in enumerate(log["history"]) if "heldout_tau" in h]
+        start += seen[-1]
+    return points
+
+
 def plot_training(logs: dict[str, dict], path: Path) -> bool:
-    """Held-out τ against training blocks seen, one line per phase, the phases end to end (each
-    continued from the one before); a phase that measured its starting checkpoint (`at_init`) starts
-    its line there. Returns False where matplotlib is not installed."""
+    """Held-out τ against training blocks seen, one line per phase (`phase_points`). Returns False
+    where matplotlib is not installed."""
     plt = pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    start = 0
-    for name, log in logs.items():
-        seen = blocks_seen(log)
-        points = [(start, log["at_init"]["heldout_tau"])] if log.get("at_init") else []
-        points += [(start + seen[i], h["heldout_tau"]) for i, h in enumerate(log["history"]) if "heldout_tau" in h]
+    for name, points in phase_points(logs).items():
         ax.plot([x / 1e6 for x, _ in points], [y for _, y in points], marker="o", label=name)
-        start += seen[-1]
     ax.set(xlabel="training blocks seen (millions, all phases)", ylabel="held-out τ",
            title="held-out τ by phase (each phase on its own held-out answers)")
     ax.legend(fontsize=8)

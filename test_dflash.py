@@ -1045,7 +1045,7 @@ BAD_FLAGS = {
     "train --lr 0": ("train.py", TRAIN + ["--lr", "0"], "--lr = 0.0 must be positive"),
     "train --time-budget 0": ("train.py", TRAIN + ["--time-budget", "0"], "--time-budget = 0.0 must be positive"),
     "train --data missing": ("train.py", TRAIN + ["--data", "{tmp}/nowhere.pt"],
-                             "distilled data: {tmp}/nowhere.pt not found"),
+                             "--data: no such file: {tmp}/nowhere.pt"),
     "train --init missing": ("train.py", TRAIN + ["--init", "{tmp}/nowhere"], "--init '{tmp}/nowhere': no such "
                              "directory"),
     "train without a mask id or tokenizer": ("train.py", TRAIN_NO_MASK,
@@ -1916,7 +1916,7 @@ def test_code_prompts_from_this_stdlib_leave_out_humaneval():
         prompts, _ = train.code_prompts(Tok(), 1, train.stdlib_functions(), train.evaluation_prompts(), names)
     assert len(prompts) > 3000
     assert not {train.normalized(p) for p in prompts} & train.evaluation_prompts()
-    assert not set().union(*map(train.defined_names, prompts)) & names
+    assert not any(f"def {name}(" in p for p in prompts for name in names)   # by text, not by defined_names
 
 
 def test_heldout_split_keeps_every_answer_to_a_heldout_prompt_out_of_training():
@@ -2100,16 +2100,19 @@ def run_train_cli(*args):
 
 def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     """`train.py train` end to end on a tiny target writes a drafter that loads. With two data files the
-    held-out answers come from the first, and every answer of the second trains."""
+    held-out answers come from the first, and every answer of the second trains but one to a
+    held-out prompt."""
     path, target, sequences = tiny
     train.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
-    train.save_sequences(tmp_path / "code.pt", sequences[:5], {"prompt_indices": list(range(5)), "source": "code"})
+    train.save_sequences(tmp_path / "code.pt", sequences[:5] + sequences[22:23], {"prompt_indices": list(range(6)),
+                                                                                 "source": "code"})
     result = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"),
                            str(tmp_path / "code.pt"), "--out", str(tmp_path / "d"), "--block-size", "4", "--layers",
                            "1", "--mask-token-id", str(MASK), "--max-steps", "3", "--heldout", "4", "--device", "cpu",
                            "--save-dtype", "float32")
     assert result.returncode == 0, result.stderr
     assert "25 training sequences, 4 held out" in result.stderr
+    assert f"--data {tmp_path / 'code.pt'}: left out 1 of its answers, whose prompts are held out" in result.stderr
     log = json.loads((tmp_path / "d" / "training.json").read_text())
     assert len(log["history"]) == 3 and log["heldout_sharegpt_indices"] == list(range(20, 24))
     assert log["data"]["training_sequences"] == 25
@@ -2122,7 +2125,9 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     assert again.returncode == 0, again.stderr
     at_init = json.loads((tmp_path / "d2" / "training.json").read_text())["at_init"]
     assert f"held-out τ {at_init['heldout_tau']:.2f} before training" in again.stderr
-    assert at_init["heldout_tau"] >= 1 and len(at_init["heldout_acceptance"]) == 3
+    # d2 starts from d, saved in float32: before training it walks the held-out answers as d did last
+    assert at_init["heldout_tau"] == pytest.approx(log["history"][-1]["heldout_tau"], rel=1e-6)
+    assert len(at_init["heldout_acceptance"]) == 3
 
 
 
@@ -2160,6 +2165,16 @@ def test_evaluate_reports_acceptance_and_catches_a_lossy_generate(tiny, tmp_path
     json.dumps(bad)
     assert evaluation.plot_eval({"a": result, "b": bad}, tmp_path / "eval.png")
     assert (tmp_path / "eval.png").stat().st_size > 10_000
+
+
+def test_training_plot_puts_the_phases_end_to_end():
+    """Each phase's line starts where the one before ended, at its at_init τ where it measured one;
+    blocks are counted per step, or batch × anchors in histories that did not record them."""
+    first = {"args": {"batch_size": 2, "anchors": 5}, "history": [{"loss": 1.0}, {"loss": 0.9, "heldout_tau": 1.5}]}
+    second = {"args": {"batch_size": 2, "anchors": 5}, "at_init": {"heldout_tau": 1.4},
+              "history": [{"blocks": 7, "heldout_tau": 1.6}, {"blocks": 3}, {"blocks": 4, "heldout_tau": 1.8}]}
+    points = evaluation.phase_points({"1": first, "2": second})
+    assert points == {"1": [(20, 1.5)], "2": [(20, 1.4), (27, 1.6), (34, 1.8)]}
 
 
 

