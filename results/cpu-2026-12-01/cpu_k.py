@@ -6,7 +6,8 @@ drafter = dflash.load_drafter(str(dp), target, torch.float32, "cpu")
 tok = offline.load_tokenizer(str(tp))
 ids = offline.encode_prompt(tok, "Write a short poem about the sea.", True)
 stops = offline.stop_token_ids(target, tok)
-variants = {"target-only": dict(d=None), "K=15": dict(K=15), "K=8": dict(K=8), "K=7": dict(K=7), "K=6": dict(K=6)}
+variants = {"target-only": dict(d=None), "K=15": dict(K=15), "K=8": dict(K=8), "K=7": dict(K=7), "K=6": dict(K=6),
+            "K=3": dict(K=3)}
 runs = {k: [] for k in variants}; taus = {}
 for rep in range(int(sys.argv[1])):
     for name, v in variants.items():
