@@ -1194,10 +1194,13 @@ def test_cli_ctrl_c_in_a_real_process(tmp_path):
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1 << 20,
                          bos_token_id=None, eos_token_id=None, pad_token_id=0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "long")
+    # A background job of a non-interactive shell starts with SIGINT ignored, and a child would inherit
+    # that; Python turns SIGINT into KeyboardInterrupt only where it starts with the default action.
     process = subprocess.Popen([sys.executable, str(HERE / "dflash.py"), "--target", str(tmp_path / "long"),
                                 "--target-only", "--prompt-ids", "1,2", "--max-new-tokens", "500000", "--device", "cpu"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = process.stdout.read(8)          # generation has begun: ids are streaming
         time.sleep(0.5)
