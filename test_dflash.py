@@ -2343,6 +2343,19 @@ def test_cli_default_runs_the_shipped_pair():
 
 
 @pytest.mark.package
+def test_distill_refuses_a_skip_past_the_prompts(tmp_path):
+    """`distill --skip-prompts` past the end of the prompts is one line naming the flag, not an empty run."""
+    train.write_prompt_file(tmp_path / "p.json.xz", ["Hi", "Hello"], [0, 1], {"source": "two prompts",
+                                                                             "max_prompt_tokens": 256})
+    result = run_train_cli("distill", "--target", str(offline.ensure_smollm2()), "--prompts",
+                           str(tmp_path / "p.json.xz"), "--out", str(tmp_path / "d.pt"), "--skip-prompts", "2",
+                           "--device", "cpu")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().endswith("error: --skip-prompts = 2 leaves no prompts (2 in two prompts)")
+    assert not (tmp_path / "d.pt").exists()
+
+
+@pytest.mark.package
 def test_smollm2_converts_to_a_chatml_llama():
     """The packaged GGUF becomes (once, then cached) an HF dir that loads as SmolLM2-135M-Instruct
     and answers sensibly; its default mask token is an unused added token."""
