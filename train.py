@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import dflash
 import fastpath
@@ -860,9 +859,6 @@ def sharegpt_prompts(tokenizer, count: int | None, max_tokens: int, skip: set[in
     return prompts, indices
 
 
-CODE_PROMPT = "Complete the following Python function:\n```python\n{}```"   # offline.read_humaneval's framing
-
-
 def stdlib_functions(root: Path | None = None) -> list[tuple[str, str]]:
     """(name, stub) of every public function and method with a docstring of 20+ characters in the
     Python standard library at `root` (default: this interpreter's), test packages left out, in path
@@ -904,7 +900,7 @@ def code_prompts(tokenizer, max_tokens: int, functions: list[tuple[str, str]], e
     evaluation prompt defines. With their indices in `functions`."""
     prompts, indices, seen = [], [], set()
     for index, (_, stub) in enumerate(functions):
-        text = CODE_PROMPT.format(stub)
+        text = offline.CODE_PROMPT.format(stub)
         if defined_names(stub) & excluded_names or stub in seen or normalized(text) in excluded:
             continue
         seen.add(stub)
