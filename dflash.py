@@ -699,9 +699,9 @@ def cache_kwarg(model_class) -> str:
 
 # -----------------------------------------------------------------------------
 # CLI
-# On CPU a wide verify costs well over a 1-row step, and the default pair drafted fastest at K = 7 (15.5
-# tokens/s against 12.5 at K = 15 and 12.9 for the target alone), so the CLI drafts at most this many
-# there unless --num-drafts says otherwise (README, "How well it drafts"; the drafter's cpu-k.json).
+# On CPU a wide verify costs well over a 1-row step, and the default pair drafted fastest at K = 7 in both
+# sweeps (15.5 and 15.2 tokens/s against 12.5 and 15.0 at K = 15, 12.9 and 14.4 for the target alone), so the
+# CLI drafts at most this many there unless --num-drafts says otherwise (README, "How well it drafts").
 CPU_NUM_DRAFTS = 7
 
 
