@@ -1,10 +1,6 @@
-import time, torch, dflash, offline, json, sys
-torch.set_num_threads(2)
-tp, dp = offline.default_pair()
-target = dflash.load_target(str(tp), torch.float32, "cpu")
-drafter = dflash.load_drafter(str(dp), target, torch.float32, "cpu")
-tok = offline.load_tokenizer(str(tp))
-ids = offline.encode_prompt(tok, "Write a short poem about the sea.", True)
+import time, dflash, offline, json, sys
+import default_pair
+target, drafter, tok, ids = default_pair.load()
 stops = offline.stop_token_ids(target, tok)
 variants = {"target-only": dict(d=None), "K=15": dict(K=15), "K=8": dict(K=8), "K=7": dict(K=7), "K=6": dict(K=6),
             "K=3": dict(K=3)}

@@ -1,13 +1,9 @@
 """CPU costs of the parts of a DFlash round on the default pair (README, "How well it drafts"). Run from the repository root: python results/cpu-2026-12-01/step_costs.py OUT.json"""
-import json, sys, time, torch, dflash, offline
+import json, sys, time, torch, dflash
 from transformers import DynamicCache
 from contextlib import closing
-torch.set_num_threads(2)
-tp, dp = offline.default_pair()
-target = dflash.load_target(str(tp), torch.float32, "cpu")
-drafter = dflash.load_drafter(str(dp), target, torch.float32, "cpu")
-tok = offline.load_tokenizer(str(tp))
-ids = offline.encode_prompt(tok, "Write a short poem about the sea.", True)
+import default_pair
+target, drafter, tok, ids = default_pair.load()
 results = {}
 def med(f, n=15):
     ts = []
