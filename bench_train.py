@@ -4,8 +4,9 @@ Builds a SmolLM2-135M-shaped target with random weights (or loads --target), the
 one run, after warm-up:
 
   distill   response tokens/s of the same prompts at the same batch: train.BatchDecoder (static K/V,
-            CUDA graphs per attention span) against HF generate (dynamic cache). No stop tokens, so
-            every row decodes all new tokens (the rate of a batch whose rows run to the cap). Floor:
+            continuous batching, one CUDA graph per temperature) against HF generate (dynamic cache).
+            No stop tokens, so every row decodes all new tokens (the rate of rows that run to the
+            cap; on real prompts ended rows are refilled). Floor:
             per step, max(weights + K/V read / copy bandwidth, matmul FLOPs / measured bf16 rate).
   train     one optimizer step of the packed forward over every anchor of a batch of sequences, for
             3 and 5 drafter layers: features cached (gathered from a flat device cache) or live (a

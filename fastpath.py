@@ -18,7 +18,9 @@ names. Every difference from dflash.py:
     once per Decoder and removed by `close()`;
   - attention: `attend`, a masked softmax over all C buffer positions with grouped heads (K/V never
     repeated), scores in the working dtype and softmax in fp32 as transformers' eager attention,
-    where dflash.py calls SDPA over the committed positions only;
+    where dflash.py calls SDPA over the committed positions only. The target's layers attend by slot
+    (`attend_upto`: a query sees its row's slots up to its own); with many rows on CUDA (train's
+    BatchDecoder) that is a Triton kernel reading each row only up to its length;
   - prefill: eager, PREFILL_CHUNK positions at a time (so attention scores stay chunk × C);
   - compiled steps: on CUDA the draft part and the verify part (capture, acceptance, context
     append) are each compiled with fullgraph=True and captured as a CUDA graph on first use. A
@@ -40,6 +42,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:   # CUDA builds of torch ship Triton; without it (CPU installs) attend_upto runs its plain-torch twin
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 import dflash
 from dflash import Drafter, Generation, Sampling, rope
@@ -132,21 +140,22 @@ def fuse_drafter(drafter: Drafter) -> FusedDrafter:
 # -----------------------------------------------------------------------------
 # Target capture: the target's forward at device positions, into static K/V, with its features
 
-def dense_layer(layer, apply_rotary, qkv, gate_up, keys, values, x, cos, sin, slots, visible):
+def dense_layer(layer, apply_rotary, qkv, gate_up, keys, values, x, cos, sin, slots, S: int):
     """One Llama/Qwen3 decoder layer of `DenseTarget.rows`: x (Bt, N, H) -> x after the layer, its K/V
-    written into keys/values (Bt, hk, C, d) at buffer slots (N,); each query sees the first S slots
-    where visible (Bt, N, S). The model's own norms, RoPE (`apply_rotary`), o/down projections and
-    SiLU; [q; k; v] and [gate; up] as the fused matrices qkv and gate_up. Everything a layer owns comes
-    in as an argument, so one compiled copy of this function serves every layer."""
-    attn, (Bt, N, _), hk, d, S = layer.self_attn, x.shape, keys.shape[1], keys.shape[3], visible.shape[-1]
+    written into keys/values (Bt, hk, C, d) at each row's buffer slots (Bt, N); a query at slot s sees
+    its row's slots 0..s, of the first S (`attend_upto`). The model's own norms, RoPE (`apply_rotary`),
+    o/down projections and SiLU; [q; k; v] and [gate; up] as the fused matrices qkv and gate_up.
+    Everything a layer owns comes in as an argument, so one compiled copy serves every layer."""
+    attn, (Bt, N, _), hk, d = layer.self_attn, x.shape, keys.shape[1], keys.shape[3]
     q, k, v = (layer.input_layernorm(x) @ qkv.T).split([qkv.shape[0] - 2 * hk * d, hk * d, hk * d], dim=-1)
     q, k, v = q.view(Bt, N, -1, d), k.view(Bt, N, hk, d), v.view(Bt, N, hk, d)
     if hasattr(attn, "q_norm"):   # Qwen3 normalises q and k per head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=2)                                # cos, sin as (Bt, N, 1, d)
-    keys.index_copy_(2, slots, k.transpose(1, 2))
-    values.index_copy_(2, slots, v.transpose(1, 2))
-    o = attend(q, keys[:, :, :S], values[:, :, :S], visible, attn.scaling)
+    rows = torch.arange(Bt, device=x.device)[:, None]                                   # (Bt, 1)
+    keys[rows, :, slots] = k                                                            # (Bt, N, hk, d) into (Bt, hk, C, d)
+    values[rows, :, slots] = v
+    o = attend_upto(q, keys[:, :, :S], values[:, :, :S], slots, attn.scaling)
     x = x + attn.o_proj(o)
     gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, dim=-1)
     return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                         # (Bt, N, H)
@@ -183,27 +192,25 @@ class DenseTarget:
         self.batch_values = zeros(len(self.layers), shape, self.qkv[0])
         self.keys = [k[0] for k in self.batch_keys]                                     # T × (hk, C, d) of row 0
         self.values = [v[0] for v in self.batch_values]
-        self.key_positions = torch.arange(capacity, device=self.qkv[0].device)          # (C,)
 
     def forward(self, ids, positions):
         """One sequence, as the Decoder runs it: ids (N,) at positions (N,), its K/V written at those
-        positions -> logits (N, V), captured features (N, n·H)."""
-        visible = self.key_positions[None] <= positions[:, None]                        # (N, C) causal
-        hidden, features = self.rows(ids[None], positions[None], positions, visible[None])
+        positions, each seeing the positions up to its own -> logits (N, V), captured features (N, n·H)."""
+        hidden, features = self.rows(ids[None], positions[None])
         return self.target.lm_head(hidden[0]), None if features is None else features[0]
 
-    def rows(self, ids, positions, slots, visible, layer_fn=None):
-        """Bt rows at once: ids (Bt, N) at positions (Bt, N), their K/V written at buffer slots (N,) of
-        every row; each query sees the first S slots where visible (Bt, N, S) -> final-normed hidden
-        states (Bt, N, H) and captured features (Bt, N, n·H). `layer_fn` runs each layer (default
-        `dense_layer`; train.BatchDecoder passes a compiled one)."""
-        model, layer_fn = self.target.model, layer_fn or dense_layer
+    def rows(self, ids, slots, layer_fn=None):
+        """Bt rows at once, the first Bt of the buffers, each a sequence whose buffer slot is its
+        position: ids (Bt, N) at slots (Bt, N), their K/V written there; a query at slot s sees its
+        row's slots 0..s -> final-normed hidden states (Bt, N, H) and captured features (Bt, N, n·H).
+        `layer_fn` runs each layer (default `dense_layer`; train.BatchDecoder passes a compiled one)."""
+        model, layer_fn, Bt = self.target.model, layer_fn or dense_layer, len(ids)
         x = model.embed_tokens(ids)                                                     # (Bt, N, H)
-        cos, sin = model.rotary_emb(x, positions)                                       # (Bt, N, d)
-        captured = {}
+        cos, sin = model.rotary_emb(x, slots)                                           # (Bt, N, d)
+        captured, S = {}, self.batch_keys[0].shape[2]
         for l, layer in enumerate(self.layers):
-            x = layer_fn(layer, self.apply_rotary, self.qkv[l], self.gate_up[l], self.batch_keys[l],
-                         self.batch_values[l], x, cos, sin, slots, visible)             # (Bt, N, H)
+            x = layer_fn(layer, self.apply_rotary, self.qkv[l], self.gate_up[l], self.batch_keys[l][:Bt],
+                         self.batch_values[l][:Bt], x, cos, sin, slots, S)              # (Bt, N, H)
             captured[l] = x
         features = torch.cat([captured[i] for i in self.layer_ids], -1) if self.layer_ids else None
         return model.norm(x), features                                                  # (Bt, N, H), (Bt, N, n·H)
@@ -276,6 +283,127 @@ def attend(q, keys, values, mask, scale: float):
     p = scores.softmax(-1, dtype=torch.float32).to(values.dtype).view(*batch, hk, g * N, S)
     o = p @ values                                                                      # (*, hk, g·N, d)
     return o.view(*batch, hk, g, N, d).movedim(-2, -4).reshape(*batch, N, h * d)        # (*, N, h·d)
+
+
+def attend_upto(q, keys, values, last, scale: float):
+    """Causal attention by buffer slot: q (Bt, N, h, d), the query at [b, n] seeing row b's key slots
+    0..last[b, n], of keys/values (Bt, hk, S, d) -> (Bt, N, h·d). For many rows on CUDA, a Triton
+    kernel that reads each row's K/V only up to its queries' last slot (`triton_attend_upto`), where a
+    mask would read every row to the longest; elsewhere, and for float64, its plain-torch twin: `attend`
+    under the mask slot <= last. At batch 1 (the Decoder) the compiled twin measured 4% faster than the
+    kernel on the H200 (SmolLM2-135M shapes: 1.20 against 1.25 ms a token)."""
+    if q.is_cuda and triton is not None and q.dtype != torch.float64 and q.shape[0] > 1:
+        return triton_attend_upto(q, keys, values, last, scale)
+    mask = torch.arange(keys.shape[-2], device=q.device) <= last[..., None]            # (Bt, N, S)
+    return attend(q, keys, values, mask, scale)
+
+
+PROGRAMS = 512   # split K/V spans until about this many programs run (an H200 has 132 SMs)
+
+if triton is not None:
+    @triton.jit
+    def _attend_upto_split(Q, K, V, Last, Opart, Mpart, Lpart, sqb, sqn, sqh, skb, skh, sks, svb, svh, svs,
+                           slb, sln, N, S, d, split_len, scale, HK: tl.constexpr, G: tl.constexpr,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """One (row b, K/V head, block of query rows, span of slots): the unnormalised softmax·V of its
+        queries over the slots of its span up to each query's last, with their running max and sum.
+        Query rows are n·G + j (query n, head j of the G sharing this K/V head), so K/V are read once."""
+        bh, mb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, kh, splits, M = bh // HK, bh % HK, tl.num_programs(2), N * G
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)                                     # (BM,)
+        n, j, row_ok = rows // G, rows % G, rows < M
+        dims = tl.arange(0, D)
+        dim_ok = dims < d
+        last = tl.load(Last + b * slb + n * sln, mask=row_ok, other=-1)                 # (BM,)
+        q = tl.load(Q + b * sqb + n[:, None] * sqn + (kh * G + j)[:, None] * sqh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)                  # (BM, D)
+        start = split * split_len
+        end = tl.minimum(tl.minimum(start + split_len, S), tl.max(last, 0) + 1)       # slots past every last: unread
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for s0 in range(start, end, BLOCK_N):
+            slots = s0 + tl.arange(0, BLOCK_N)                                           # (BN,)
+            slot_ok = slots < end
+            k = tl.load(K + b * skb + kh * skh + slots[None, :] * sks + dims[:, None],
+                        mask=dim_ok[:, None] & slot_ok[None, :], other=0.0)             # (D, BN)
+            if IEEE:
+                scores = tl.dot(q, k, input_precision="ieee")
+            else:
+                scores = tl.dot(q, k)                                                     # (BM, BN) fp32
+            scores = tl.where(slots[None, :] <= last[:, None], (scores * scale).to(tl.float32), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: keep exp() at 0, not NaN
+            p = tl.exp(scores - m_use[:, None])
+            alpha = tl.exp(m_i - m_use)
+            v = tl.load(V + b * svb + kh * svh + slots[:, None] * svs + dims[None, :],
+                        mask=slot_ok[:, None] & dim_ok[None, :], other=0.0)             # (BN, D)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)                                             # (BM, D)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        part = (bh * splits + split) * M + rows                                          # into (Bt·hk, splits, M)
+        tl.store(Mpart + part, m_i, mask=row_ok)
+        tl.store(Lpart + part, l_i, mask=row_ok)
+        tl.store(Opart + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _attend_upto_combine(Opart, Mpart, Lpart, Out, sob, son, soh, N, d, splits, HK: tl.constexpr,
+                             G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The spans of one (row, K/V head, block of query rows) merged: softmax·V, normalised."""
+        bh, mb = tl.program_id(0), tl.program_id(1)
+        b, kh, M = bh // HK, bh % HK, N * G
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        n, j, row_ok = rows // G, rows % G, rows < M
+        dims = tl.arange(0, D)
+        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_all = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for split in range(0, splits):
+            part = (bh * splits + split) * M + rows
+            m_s = tl.load(Mpart + part, mask=row_ok, other=float("-inf"))
+            l_s = tl.load(Lpart + part, mask=row_ok, other=0.0)
+            o_s = tl.load(Opart + part[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+            m_new = tl.maximum(m_all, m_s)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a_all, a_s = tl.exp(m_all - m_use), tl.exp(m_s - m_use)
+            l_all = l_all * a_all + l_s * a_s
+            acc = acc * a_all[:, None] + o_s * a_s[:, None]
+            m_all = m_new
+        out = acc / l_all[:, None]
+        tl.store(Out + b * sob + n[:, None] * son + (kh * G + j)[:, None] * soh + dims[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dims < d)[None, :])
+
+
+def triton_attend_upto(q, keys, values, last, scale: float):
+    """`attend_upto` as two Triton kernels (split-K/V, then the merge of the spans): scores and
+    softmax in fp32 registers, never written out; p in the working dtype for p·V, as `attend` has it.
+    Spans are split only where rows × heads give too few programs (batch-1 decoding)."""
+    Bt, N, h, d = q.shape
+    hk, S = keys.shape[1], keys.shape[2]
+    G, M = h // hk, N * h // hk
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    BLOCK_M, BLOCK_N, D = (16 if M <= 16 else 64), 64, max(16, triton.next_power_of_2(d))
+    m_blocks = triton.cdiv(M, BLOCK_M)
+    splits = max(1, min(triton.cdiv(S, BLOCK_N), PROGRAMS // (Bt * hk * m_blocks)))
+    split_len = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(S, split_len)
+    opart = torch.empty(Bt * hk, splits, M, D, dtype=torch.float32, device=q.device)   # (Bt·hk, splits, M, D)
+    mpart = torch.empty(Bt * hk, splits, M, dtype=torch.float32, device=q.device)
+    lpart = torch.empty_like(mpart)
+    out = torch.empty(Bt, N, h, d, dtype=q.dtype, device=q.device)                     # (Bt, N, h, d)
+    _attend_upto_split[(Bt * hk, m_blocks, splits)](
+        q, keys, values, last, opart, mpart, lpart, q.stride(0), q.stride(1), q.stride(2),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        last.stride(0), last.stride(1), N, S, d, split_len, scale,
+        HK=hk, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
+    _attend_upto_combine[(Bt * hk, m_blocks)](
+        opart, mpart, lpart, out, out.stride(0), out.stride(1), out.stride(2), N, d, splits,
+        HK=hk, G=G, D=D, BLOCK_M=BLOCK_M)
+    return out.view(Bt, N, h * d)
 
 
 def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):

@@ -60,45 +60,52 @@ def cut_after_stop(response: list[int], stop_ids) -> list[int]:
 
 class BatchDecoder:
     """Many prompts decoded together, for self-distillation of a dense Llama/Qwen3 target: fastpath's
-    DenseTarget with a batch dimension, K/V in static (Bt, hk, C, d) buffers. Prompts are left-padded,
-    so every row writes the same buffer slot at each step (one slot counter for the batch) while its
-    RoPE position is slot - padding. A step's attention reads only the first S slots, S the slot
-    rounded up to BUCKET; on CUDA each (S, temperature) step is captured once as a CUDA graph and
-    replayed, and a sampled step's exponential noise is drawn outside the graph from a generator seeded
-    per call, as fastpath draws its uniforms. On CPU the same steps run eagerly.
+    DenseTarget with a batch dimension, K/V in static (Bt, hk, C, d) buffers, batched continuously.
+    Each of the Bt rows holds one prompt at a time at its own slots 0, 1, … (a token's slot is its
+    RoPE position) and attends to its own slots only (`fastpath.attend_upto`, on CUDA a kernel that
+    reads each row only up to its length). Every REFILL_EVERY steps the host reads which rows have
+    ended (a stop token, or max_new_tokens) and gives them the next waiting prompts: prefilled in a
+    staging stack of REFILL_ROWS rows, their K/V copied into the rows. A row that has ended waits at
+    slot 0, so until it is refilled it costs its share of the weight matmuls but almost no attention.
 
-    On CUDA the layers and the head are compiled (`compile`), regionally: one compiled
-    `fastpath.dense_layer` serves all layers, every span S (dynamic) and, with a second compile, the
-    prefill, so compiling costs one layer's worth, not one per layer and bucket. Inductor fuses each
-    layer's norms, RoPE, K/V writes, masked softmax, SiLU·up and residuals around the matmuls."""
+    On CUDA the decode step (layers, head, choice, bookkeeping) is captured as a CUDA graph once per
+    temperature and replayed; its layer function and head are compiled (`compile`), regionally: one
+    compiled `fastpath.dense_layer` serves all layers. A sampled step's exponential noise is drawn
+    outside the graph from a generator seeded per call, as fastpath draws its uniforms. The prefill
+    runs eagerly, and on CPU everything does."""
 
-    BUCKET = 32           # attention span granularity: one graph per bucket (graphs are cheap: the compile is shared)
-    PREFILL_CHUNK = 64    # prompt positions per prefill pass (scores are Bt × chunk × S)
-    STOP_CHECK = 32       # steps between host reads of "has every row stopped?"
+    REFILL_EVERY = 32     # decode steps between host reads of which rows have ended
+    REFILL_ROWS = 256     # prompts prefilled together in the staging stack
+    PREFILL_CHUNK = 256   # prompt positions per prefill pass
+    MAX_STOPS = 16        # stop ids a call may give (a static buffer, read inside the graph)
 
     def __init__(self, target, batch_size: int, capacity: int, compiled: bool | None = None):
         dflash.require(fastpath.DenseTarget.supports(target),
                        f"BatchDecoder: {target.config.model_type} targets are not dense Llama/Qwen3 stacks")
         self.target, self.batch_size, self.capacity = target, batch_size, capacity
         self.stack = fastpath.DenseTarget(target, [], capacity, batch_size)
-        self.device = target.get_input_embeddings().weight.device
-        self.ids = torch.zeros(batch_size, dtype=torch.long, device=self.device)       # (Bt,) this step's input
-        self.slot = torch.zeros((), dtype=torch.long, device=self.device)              # () its buffer slot
-        self.padding = torch.zeros(batch_size, dtype=torch.long, device=self.device)   # (Bt,) left padding
-        self.slots = torch.arange(capacity, device=self.device)                        # (C,)
+        self.staging = fastpath.DenseTarget(target, [], capacity, min(batch_size, self.REFILL_ROWS))
+        device = self.device = target.get_input_embeddings().weight.device
+        self.rows = torch.arange(batch_size, device=device)                            # (Bt,)
+        self.ids = torch.zeros(batch_size, dtype=torch.long, device=device)            # (Bt,) this step's input
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)        # (Bt,) its slot = position
+        self.count = torch.zeros(batch_size, dtype=torch.long, device=device)          # (Bt,) tokens answered
+        self.ended = torch.ones(batch_size, dtype=torch.bool, device=device)           # (Bt,)
+        self.out = torch.zeros(batch_size, capacity + 1, dtype=torch.long, device=device)   # (Bt, C+1): last column spare
+        self.stops = torch.full((self.MAX_STOPS,), -1, dtype=torch.long, device=device)
+        self.max_new = torch.zeros((), dtype=torch.long, device=device)
         self.noise = None                                                              # (Bt, V) once sampling
-        self.generator = torch.Generator(self.device)
+        self.generator = torch.Generator(device)
         self.graphs = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.layer, self.head = fastpath.dense_layer, self.next_ids                    # eager until compiled
         self.compiled = False
-        if self.device.type == "cuda" if compiled is None else compiled:   # default: compile on CUDA only
+        if device.type == "cuda" if compiled is None else compiled:   # default: compile on CUDA only
             self.compile()
 
     def compile(self, backend: str = "inductor"):
-        """Compile the layer function and the head with fullgraph=True (tests trace them on CPU with
-        backend="aot_eager"). The same math: only how the kernels are fused changes. Where a compile
-        fails (outside a capture), both run eagerly from then on, and a message says so."""
+        """Compile the decode step's layer function and head with fullgraph=True (tests trace them on
+        CPU with backend="aot_eager"). The same math: only how the kernels are fused changes. Where a
+        compile fails (outside a capture), both run eagerly from then on, and a message says so."""
         layer = torch.compile(fastpath.dense_layer, fullgraph=True, backend=backend)
         head = torch.compile(self.next_ids, fullgraph=True, backend=backend)
         self.layer, self.head = self.or_eager(layer, fastpath.dense_layer), self.or_eager(head, self.next_ids)
@@ -118,103 +125,130 @@ class BatchDecoder:
             return eager(*args)
         return run
 
-    def visible(self, query_slots, S: int):
-        """(N,) query slots -> (Bt, N, S): a real query sees the real slots up to its own; a padding
-        query sees the padding before it (never an empty row, whose softmax would be NaN). S is marked
-        dynamic, so that the compiled layer is traced once for every span."""
-        keys, q = self.slots[:S], query_slots[:, None]                                # (S,), (N, 1)
-        real_key = keys[None, None] >= self.padding[:, None, None]                      # (Bt, 1, S)
-        padding_query = q[None] < self.padding[:, None, None]                          # (Bt, N, 1)
-        visible = (keys[None, None] <= q[None]) & (real_key | padding_query)           # (Bt, N, S)
-        torch._dynamo.maybe_mark_dynamic(visible, 2)
-        return visible
-
     def choose(self, logits, temperature: float):
-        """Next ids (Bt,) from logits (Bt, V): the argmax, or a sample at `temperature` (the exponential
+        """Next ids (n,) from logits (n, V): the argmax, or a sample at `temperature` (the exponential
         race: argmax of p / E with E ~ Exp(1), the noise drawn beforehand, draws from p with no host sync)."""
         if temperature == 0:
             return logits.argmax(-1)
-        return ((logits.float() / temperature).softmax(-1) / self.noise).argmax(-1)
+        return ((logits.float() / temperature).softmax(-1) / self.noise[:len(logits)]).argmax(-1)
 
     def next_ids(self, hidden, temperature: float):
-        """Final-normed hidden states (Bt, H) -> next ids (Bt,)."""
+        """Final-normed hidden states (n, H) -> next ids (n,)."""
         return self.choose(self.target.lm_head(hidden), temperature)
 
-    def step(self, S: int, temperature: float):
-        """One token for every row: ids at the slot -> next ids, in place."""
-        positions = (self.slot - self.padding)[:, None]                                # (Bt, 1)
-        hidden, _ = self.stack.rows(self.ids[:, None], positions, self.slot[None], self.visible(self.slot[None], S),
-                                    self.layer)                                        # (Bt, 1, H)
-        self.ids.copy_(self.head(hidden[:, 0], temperature))
+    def step(self, temperature: float):
+        """One token for every row, in place: a live row writes it to its answer and moves one slot on;
+        a row that ends here, or had ended, waits at slot 0 (its token goes to the spare column)."""
+        hidden, _ = self.stack.rows(self.ids[:, None], self.lengths[:, None], self.layer)   # (Bt, 1, H)
+        ids = self.head(hidden[:, 0], temperature)                                      # (Bt,)
+        live = ~self.ended
+        self.out[self.rows, torch.where(live, self.count, self.capacity)] = ids
+        self.count.add_(live.long())
+        self.ended.logical_or_((ids[:, None] == self.stops).any(-1) | (self.count >= self.max_new))   # not isin: it syncs
+        self.lengths.copy_(torch.where(self.ended, 0, self.lengths + 1))
+        self.ids.copy_(ids)
 
     def draw_noise(self, temperature: float):
         if temperature > 0:
             self.noise.exponential_(generator=self.generator)
 
-    def run_step(self, S: int, temperature: float):
+    def run_step(self, temperature: float):
         self.draw_noise(temperature)
         if self.device.type != "cuda":
-            return self.step(S, temperature)
-        key = (S, temperature)
-        if key not in self.graphs:
-            ids = self.ids.clone()
+            return self.step(temperature)
+        if temperature not in self.graphs:
+            state = [t.clone() for t in (self.ids, self.lengths, self.count, self.ended)]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):   # warm-up (and the first compile) outside capture, then capture
+            with torch.cuda.stream(stream):   # warm-up (and the compile) outside capture, then capture
                 for _ in range(2):
-                    self.step(S, temperature)
-                    self.ids.copy_(ids)   # undo the warm-up's token (its K/V write is redone by the replay)
+                    self.step(temperature)
             torch.cuda.current_stream().wait_stream(stream)
+            for t, saved in zip((self.ids, self.lengths, self.count, self.ended), state):
+                t.copy_(saved)   # undo the warm-up's steps: the replay redoes this step's K/V and answer writes
             graph = torch.cuda.CUDAGraph()
-            # One memory pool for every bucket's graph: they never run at once and keep nothing in it
-            # between replays (the step's only output is written into self.ids).
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.step(S, temperature)
-            self.graphs[key] = graph
-        self.graphs[key].replay()
+            with torch.cuda.graph(graph):
+                self.step(temperature)
+            self.graphs[temperature] = graph
+        self.graphs[temperature].replay()
+
+    def refill(self, rows: list[int], prompts: list[list[int]], temperature: float):
+        """Prefill `prompts` (each P ≥ 1) in the staging stack, right-padded, REFILL_ROWS at a time; copy
+        their K/V into `rows` and start each row at its first answered token."""
+        for g in range(0, len(rows), self.REFILL_ROWS):
+            group, texts = rows[g:g + self.REFILL_ROWS], prompts[g:g + self.REFILL_ROWS]
+            n, P = len(group), max(map(len, texts))
+            ids = torch.tensor([t + [0] * (P - len(t)) for t in texts], device=self.device)     # (n, P)
+            ends = torch.tensor([len(t) - 1 for t in texts], device=self.device)              # (n,) last prompt slot
+            last = torch.empty(n, self.target.config.hidden_size, dtype=self.staging.qkv[0].dtype,
+                               device=self.device)                                           # (n, H)
+            for first in range(0, P, self.PREFILL_CHUNK):
+                slots = torch.arange(first, min(first + self.PREFILL_CHUNK, P), device=self.device)   # (N,)
+                hidden, _ = self.staging.rows(ids[:, slots], slots.expand(n, -1))          # (n, N, H)
+                here = (ends >= first) & (ends < first + len(slots))
+                last[here] = hidden[here, ends[here] - first]
+            self.draw_noise(temperature)
+            first_ids = self.next_ids(last, temperature)                                    # (n,)
+            rows_t = torch.tensor(group, device=self.device)
+            for main_k, main_v, k, v in zip(self.stack.batch_keys, self.stack.batch_values,
+                                            self.staging.batch_keys, self.staging.batch_values):
+                main_k[rows_t, :, :P] = k[:n, :, :P]
+                main_v[rows_t, :, :P] = v[:n, :, :P]
+            self.ids[rows_t] = first_ids
+            self.lengths[rows_t] = ends + 1
+            self.count[rows_t] = 1
+            self.out[rows_t, 0] = first_ids
+            self.ended[rows_t] = (first_ids[:, None] == self.stops).any(-1) | (self.max_new <= 1)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
                  seed: int = 0) -> list[list[int]]:
-        """Responses to up to batch_size prompts, each cut after its first stop token (greedy at
-        temperature 0, else sampled). Runs until every row has stopped or max_new_tokens."""
+        """Responses to any number of prompts, in their order, each cut after its first stop token
+        (greedy at temperature 0, else sampled). Rows take the prompts in the order given."""
         # The compiled layer is one function for every layer and target: allow it many guarded entries.
         with torch._dynamo.config.patch(recompile_limit=1024):
             return self._generate(prompts, max_new_tokens, stop_ids, temperature, seed)
 
     def _generate(self, prompts, max_new_tokens, stop_ids, temperature, seed):
-        Bt, P = self.batch_size, max(map(len, prompts))
-        dflash.require(0 < len(prompts) <= Bt, f"BatchDecoder: {len(prompts)} prompts for a batch of {Bt}")
-        dflash.require(P + max_new_tokens <= self.capacity,
-                       f"BatchDecoder: prompt {P} + {max_new_tokens} new tokens exceeds capacity {self.capacity}")
+        dflash.require(len(prompts) > 0 and all(len(p) > 0 for p in prompts), "BatchDecoder: an empty prompt")
+        longest = max(map(len, prompts))
+        dflash.require(longest + max_new_tokens <= self.capacity,
+                       f"BatchDecoder: prompt {longest} + {max_new_tokens} new tokens exceeds capacity {self.capacity}")
+        dflash.require(max_new_tokens >= 1, f"max_new_tokens = {max_new_tokens} must be >= 1")
         dflash.require(temperature >= 0, f"temperature = {temperature} must be >= 0")
+        dflash.require(len(set(stop_ids)) <= self.MAX_STOPS, f"BatchDecoder: more than {self.MAX_STOPS} stop ids")
         self.generator.manual_seed(seed)
         if temperature > 0 and self.noise is None:
             V = self.target.get_output_embeddings().weight.shape[0]
-            self.noise = torch.empty(Bt, V, dtype=torch.float32, device=self.device)
-        rows = prompts + [prompts[0]] * (Bt - len(prompts))                            # idle rows repeat row 0
-        ids = torch.tensor([[0] * (P - len(r)) + r for r in rows], device=self.device)  # (Bt, P) left-padded
-        self.padding.copy_(torch.tensor([P - len(r) for r in rows]))
-        for first in range(0, P, self.PREFILL_CHUNK):
-            slots = self.slots[first:min(first + self.PREFILL_CHUNK, P)]               # (n,)
-            hidden, _ = self.stack.rows(ids[:, slots], slots[None] - self.padding[:, None], slots,
-                                        self.visible(slots, P), self.layer)
-        self.draw_noise(temperature)
-        self.ids.copy_(self.next_ids(hidden[:, -1], temperature))   # eager: once per call, another stride
-        self.slot.fill_(P)
-        out = torch.empty(Bt, max_new_tokens, dtype=torch.long, device=self.device)     # (Bt, new)
-        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
-        out[:, 0] = self.ids
-        n, real = 1, len(prompts)   # n tokens of every row are in out
-        while n < max_new_tokens:
-            if n % self.STOP_CHECK == 0 and len(stops) and bool(torch.isin(out[:real, :n], stops).any(1).all()):
-                break
-            # this step reads token n-1 at slot P+n-1, so it attends over slots 0..P+n-1
-            self.run_step(min(self.capacity, -(-(P + n) // self.BUCKET) * self.BUCKET), temperature)
-            out[:, n] = self.ids
-            self.slot.add_(1)
-            n += 1
-        return [cut_after_stop(response, stop_ids) for response in out[:real, :n].tolist()]
+            self.noise = torch.empty(self.batch_size, V, dtype=torch.float32, device=self.device)
+        self.stops.fill_(-1)
+        self.stops[:len(set(stop_ids))] = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+        self.max_new.fill_(max_new_tokens)
+        self.ended.fill_(True)
+        self.lengths.zero_()
+        waiting = list(range(len(prompts)))[::-1]                 # popped from the end: the given order
+        holder = [None] * self.batch_size                         # the prompt each row answers
+        responses = [None] * len(prompts)
+        while True:
+            busy = [r for r in range(self.batch_size) if holder[r] is not None]
+            if busy:
+                ended = self.ended.tolist()
+                done = [r for r in busy if ended[r]]
+                if done:
+                    counts, answers = self.count[done].tolist(), self.out[done].tolist()
+                    for r, n, answer in zip(done, counts, answers):
+                        responses[holder[r]] = cut_after_stop(answer[:n], stop_ids)
+                        holder[r] = None
+            free = [r for r in range(self.batch_size) if holder[r] is None][:len(waiting)]
+            if free:
+                taken = [waiting.pop() for _ in free]
+                self.refill(free, [prompts[i] for i in taken], temperature)
+                for r, i in zip(free, taken):
+                    holder[r] = i
+            if all(h is None for h in holder):
+                return responses
+            for _ in range(self.REFILL_EVERY):
+                self.run_step(temperature)
 
 
 @torch.inference_mode()
@@ -256,14 +290,14 @@ def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
     dflash.require(decoder is not None or temperature == 0,
                    f"temperature = {temperature}: sampled distillation needs a BatchDecoder (dense targets)")
     result = [None] * len(encoded)
+    if decoder is not None:   # one call: rows are refilled from the whole list
+        responses = decoder.generate([encoded[i] for i in order], max_new_tokens, stops, temperature, seed)
+        for i, response in zip(order, responses):
+            result[i] = Sequence(torch.tensor(encoded[i] + response), len(encoded[i]))
+        return result
     for b in range(0, len(order), batch_size):
         batch = order[b:b + batch_size]
-        if decoder is None:
-            fresh = distill_ids(target, [encoded[i] for i in batch], max_new_tokens, pad_id, stops)
-        else:
-            responses = decoder.generate([encoded[i] for i in batch], max_new_tokens, stops, temperature, seed + b)
-            fresh = [Sequence(torch.tensor(encoded[i] + r), len(encoded[i])) for i, r in zip(batch, responses)]
-        for i, seq in zip(batch, fresh):
+        for i, seq in zip(batch, distill_ids(target, [encoded[i] for i in batch], max_new_tokens, pad_id, stops)):
             result[i] = seq
     return result
 
@@ -1145,7 +1179,8 @@ def parse_args(argv=None):
     s.add_argument("--max-new-tokens", type=int, default=512, help="response length cap")
     s.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (chat template included)")
     s.add_argument("--batch-size", type=int, default=32, help="prompts decoded together")
-    s.add_argument("--batches-per-save", type=int, default=4, help="batches between saves of the output file")
+    s.add_argument("--batches-per-save", type=int, default=4,
+                   help="the output file is saved after every batch-size × this many prompts (decoded as one run of refilled rows)")
     s.add_argument("--time-budget", type=float, help="stop starting new chunks after this many seconds")
     s.add_argument("--resume", action="store_true",
                    help="keep the answers already in --out and skip their (prompt, temperature) pairs")
