@@ -12,8 +12,10 @@ one run, after warm-up:
             3 and 5 drafter layers: features cached (gathered from a flat device cache) or live (a
             target pass per step), and the head's cross-entropy chunked through the frozen head
             (train.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
-            cross-entropy where it is installed. Median of the timed steps; blocks/s and the
-            achieved TFLOP/s of train.step_flops.
+            cross-entropy where it is installed; and the cached, chunked step with its shapes
+            rounded up (train.py --pad-shapes 64 512), against the same step unrounded. Each step
+            draws a random batch, so shapes rarely repeat, as in training. Median of the timed
+            steps; blocks/s (real blocks only) and the achieved TFLOP/s of train.step_flops.
 
     $ python bench_train.py --out bench-train.json
 """
@@ -33,6 +35,7 @@ import dflash
 import train
 
 SHAPE = bench.SHAPES["smollm2-135m"]
+PADDED = (64, 512)   # the train row with rounded shapes (train.py --pad-shapes 64 512)
 
 
 def matmul_rate(n=8192) -> float:
@@ -127,38 +130,38 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
     cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
     live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
     rows = []
-    for store_name, store in [("cached", cached), ("live", live)]:
-        for loss_name, loss_fn in losses.items():
-            if store_name == "live" and loss_name != "chunked":
-                continue
-            g = torch.Generator().manual_seed(0)
-            times, blocks_seen, flops = [], [], []
-            torch.cuda.reset_peak_memory_stats()
-            for i in range(steps + 3):
-                indices = list(range((i * batch) % len(sequences), (i * batch) % len(sequences) + batch))
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                features, labels = store.batch(indices)
-                blocks = train.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
-                                           g, labels=labels)
-                with train.autocast(features.device):
-                    loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
-                                   weights)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                torch.cuda.synchronize()
-                if i >= 3:
-                    times.append(time.perf_counter() - t0)
-                    blocks_seen.append(len(blocks.anchors))
-                    flops.append(train.step_flops(drafter, target, blocks, features.shape[1]))
-            seconds = statistics.median(times)
-            rows.append({"layers": layers, "features": store_name, "loss": loss_name, "batch": batch,
-                         "blocks_per_step": statistics.median(blocks_seen), "step_ms": seconds * 1e3,
-                         "blocks_per_s": statistics.median(blocks_seen) / seconds,
-                         "tflops": statistics.median(flops) / seconds / 1e12,
-                         "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30})
-            print(rows[-1], flush=True)
+    runs = [("cached", loss_name, (1, 1)) for loss_name in losses] + [("cached", "chunked", PADDED),
+                                                                      ("live", "chunked", (1, 1))]
+    for store_name, loss_name, pad in runs:
+        store, loss_fn = {"cached": cached, "live": live}[store_name], losses[loss_name]
+        g = torch.Generator().manual_seed(0)
+        times, blocks_seen, flops = [], [], []
+        torch.cuda.reset_peak_memory_stats()
+        for i in range(steps + 3):
+            indices = torch.randperm(len(sequences), generator=g)[:batch].tolist()   # a new shape nearly every step
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            features, labels = train.pad_positions(*store.batch(indices), pad[0])
+            blocks = train.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
+                                       g, labels=labels, pad_to=pad[1])
+            with train.autocast(features.device):
+                loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
+                               weights)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+                blocks_seen.append(int((blocks.labels != train.IGNORE).any(1).sum()))   # real blocks only
+                flops.append(train.step_flops(drafter, target, blocks, features.shape[1]))
+        seconds = statistics.median(times)
+        rows.append({"layers": layers, "features": store_name, "loss": loss_name, "pad_shapes": list(pad), "batch": batch,
+                     "blocks_per_step": statistics.median(blocks_seen), "step_ms": seconds * 1e3,
+                     "blocks_per_s": statistics.median(blocks_seen) / seconds,
+                     "tflops": statistics.median(flops) / seconds / 1e12,
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -210,11 +213,12 @@ def main():
             result["train"] += bench_train(target, layers, sequences, args.train_batch, losses, args.steps)
         print(f"\ntrain step, {args.train_batch} sequences of 300-612 tokens (prompt 100), every anchor, block 16, "
               f"bf16 autocast, fp32 master weights; matmul peak {flops / 1e12:.0f} TFLOP/s")
-        print(f"{'layers':>6} {'features':>8} {'loss':>12} {'blocks':>7} {'ms':>8} {'blocks/s':>9} {'TFLOP/s':>8} "
-              f"{'peak GiB':>8}")
+        print(f"{'layers':>6} {'features':>8} {'loss':>12} {'pad':>7} {'blocks':>7} {'ms':>8} {'blocks/s':>9} "
+              f"{'TFLOP/s':>8} {'peak GiB':>8}")
         for r in result["train"]:
-            print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {r['blocks_per_step']:7.0f} {r['step_ms']:8.1f} "
-                  f"{r['blocks_per_s']:9.0f} {r['tflops']:8.1f} {r['peak_gib']:8.1f}")
+            pad = "x".join(map(str, r["pad_shapes"]))
+            print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {pad:>7} {r['blocks_per_step']:7.0f} "
+                  f"{r['step_ms']:8.1f} {r['blocks_per_s']:9.0f} {r['tflops']:8.1f} {r['peak_gib']:8.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -1920,6 +1920,27 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):
     assert runs["sharded"] == pytest.approx(live_sharded, rel=1e-10)
 
 
+def test_padded_shapes_train_exactly_like_unpadded(tiny):
+    """Rounding each step's context length and block count up (pad_shapes: zero features and IGNORE
+    labels past the ends, unlabelled blocks at anchor 0) gives the same loss step by step (float64),
+    and the history counts only the real blocks."""
+    path, _, sequences = tiny
+    target = dflash.load_target(str(path), torch.float64, "cpu")
+    runs, blocks = {}, {}
+    for pad in [(1, 1), (16, 7)]:
+        _, drafter = fresh_drafter(target)
+        cfg = train.TrainConfig(epochs=2, batch_size=4, anchors=6, lr=3e-3, eval_every=100, pad_shapes=pad)
+        history = train.train(target, drafter.double(), sequences[:16], [], cfg, progress=False)
+        runs[pad], blocks[pad] = [h["loss"] for h in history], [h["blocks"] for h in history]
+    assert runs[(16, 7)] == pytest.approx(runs[(1, 1)], rel=1e-10) and runs[(1, 1)][-1] < runs[(1, 1)][0]
+    assert blocks[(16, 7)] == blocks[(1, 1)] and any(b % 7 for b in blocks[(1, 1)])   # padding happened, uncounted
+    g = torch.Generator().manual_seed(0)
+    padded = train.make_blocks(sequences[:3], 5, 6, 95, g, pad_to=8)
+    assert len(padded.anchors) % 8 == 0 and (padded.labels[15:] == train.IGNORE).all()
+    features, labels = train.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long), 16)
+    assert features.shape == (2, 16, 4) and features[:, 10:].eq(0).all() and labels[:, 10:].eq(train.IGNORE).all()
+
+
 def test_training_prompts_leave_out_the_evaluation_sets(monkeypatch):
     """A ShareGPT turn that is an MT-Bench or HumanEval prompt, even re-spaced or re-cased, is left
     out of the training prompts; the others keep their indices."""

@@ -448,10 +448,11 @@ def choose_anchors(seq: Sequence, count: int, block_size: int, generator, full_o
 
 
 def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_token_id: int, generator=None,
-                full_only=False, anchor_lists: list[list[int]] | None = None, labels=None) -> Blocks:
+                full_only=False, anchor_lists: list[list[int]] | None = None, labels=None, pad_to: int = 1) -> Blocks:
     """Up to `count` blocks per sequence, at anchor_lists[b] if given, else by choose_anchors, one after
     another. A row's label is labels[b, a+k] (N-padded, e.g. the target's own argmax), by default the
-    text's own token there."""
+    text's own token there. With pad_to > 1, unlabelled blocks at anchor 0 of the first sequence round
+    the count M up to a multiple of pad_to: they add nothing to the loss, and steps repeat fewer shapes."""
     B = block_size
     ids, lengths = pad_sequences(sequences)                                           # (Bt, N), (Bt,)
     chosen = [anchor_lists[b] if anchor_lists is not None else choose_anchors(seq, count, B, generator, full_only)
@@ -466,7 +467,24 @@ def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_tok
     in_text = positions < lengths[sequence, None]                                     # (M, B)
     row_labels = source[sequence[:, None], positions.clamp(max=ids.shape[1] - 1)]     # (M, B)
     row_labels = row_labels.masked_fill(~(in_text & (k >= 1)), IGNORE)
+    extra = -len(anchors) % pad_to
+    if extra:
+        sequence, anchors = (torch.cat([t, torch.zeros(extra, dtype=torch.long)]) for t in (sequence, anchors))
+        padding = torch.full((extra, B), mask_token_id, dtype=torch.long)                # (extra, B)
+        padding[:, 0] = ids[0, 0]
+        block_ids = torch.cat([block_ids, padding])
+        row_labels = torch.cat([row_labels, torch.full((extra, B), IGNORE, dtype=torch.long)])
     return Blocks(ids, lengths, sequence, anchors, block_ids, row_labels)
+
+
+def pad_positions(features, labels, multiple: int):
+    """Features (Bt, N, n·H) and labels (Bt, N) padded with zeros and IGNORE to N a multiple of
+    `multiple`: positions past every sequence's end are hidden from every block (each anchor lies
+    before its end) and carry no label, so the loss is unchanged, and steps repeat fewer shapes."""
+    extra = -features.shape[1] % multiple
+    if not extra:
+        return features, labels
+    return torch.nn.functional.pad(features, (0, 0, 0, extra)), torch.nn.functional.pad(labels, (0, extra), value=IGNORE)
 
 
 def packed_mask(anchors, block_size: int, N: int, causal: bool, window: int | None):
@@ -713,6 +731,7 @@ class TrainConfig:
     max_steps: int | None = None    # stop early, e.g. for a quick run
     time_budget: float | None = None  # seconds: the schedule is refitted to the measured step time
     cache_tokens: int | None = None   # most tokens whose features are cached at once; None: the whole set
+    pad_shapes: tuple[int, int] = (1, 1)   # a step's context length and block count rounded up to multiples of these
     seed: int = 0                   # sequence order and anchors
 
 
@@ -806,9 +825,10 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                         break
                     t_step = time.perf_counter()
                     indices = run[i:i + cfg.batch_size]
-                    features, labels = features_of.batch([where[j] for j in indices])   # (Bt, N, n·H), (Bt, N)
+                    features, labels = pad_positions(*features_of.batch([where[j] for j in indices]),
+                                                     cfg.pad_shapes[0])                 # (Bt, N, n·H), (Bt, N)
                     blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
-                                         generator, labels=labels)
+                                         generator, labels=labels, pad_to=cfg.pad_shapes[1])
                     with autocast(device):
                         hidden = draft_hidden(target, drafter, blocks, features)
                         loss = block_loss(target, hidden, blocks.labels, weights)
@@ -820,7 +840,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                     step += 1
                     entry = {"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]}   # .item() syncs
                     seconds = time.perf_counter() - t_step
-                    entry |= {"blocks": len(blocks.anchors), "blocks_per_s": len(blocks.anchors) / seconds,
+                    real = int((blocks.labels != IGNORE).any(1).sum())   # every drawn block has a label; padding none
+                    entry |= {"blocks": real, "blocks_per_s": real / seconds,
                               "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
                     if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
                         drafter.eval()
@@ -1077,6 +1098,7 @@ def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str
 
 def cmd_train(args):
     require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens")
+    dflash.require(min(args.pad_shapes) >= 1, f"--pad-shapes = {' '.join(map(str, args.pad_shapes))} must be ≥ 1")
     dflash.require(args.lr > 0, f"--lr = {args.lr} must be positive")
     dflash.require(args.time_budget is None or args.time_budget > 0,
                    f"--time-budget = {args.time_budget} must be positive")
@@ -1122,7 +1144,7 @@ def cmd_train(args):
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
-                      cache_tokens=args.cache_tokens, seed=args.seed)
+                      cache_tokens=args.cache_tokens, pad_shapes=tuple(args.pad_shapes), seed=args.seed)
     at_init = None   # the checkpoint's held-out τ before this phase: where its line starts
     if args.init and heldout:
         tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=args.batch_size)
@@ -1210,6 +1232,9 @@ def parse_args(argv=None):
                    help="blocks per sequence at most, re-sampled each epoch (≥ the response length: every position)")
     s.add_argument("--cache-tokens", type=int, help="most tokens whose target features are cached on the device at "
                    "once (n·H values each); a larger data set is captured shard by shard (default: all at once)")
+    s.add_argument("--pad-shapes", type=int, nargs=2, default=[1, 1], metavar=("POSITIONS", "BLOCKS"),
+                   help="round each step's context length and block count up to multiples of these (masked, "
+                        "unlabelled padding: the same loss), so that steps repeat fewer shapes (default: 1 1, none)")
     s.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
     s.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
     s.add_argument("--weight-decay", type=float, default=0.0)
