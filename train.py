@@ -280,9 +280,10 @@ def distill_ids(target, prompts: list[list[int]], max_new_tokens: int, pad_id: i
 def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
             temperature: float = 0.0, seed: int = 0, decoder: BatchDecoder | None = None) -> list[Sequence]:
     """Self-distillation (spec §7): the target's own answers through its chat template, greedy or
-    sampled at `temperature`. Prompts are batched by length to keep padding small; the result is in
-    the prompts' order. Dense Llama/Qwen3 targets run through `decoder` (a BatchDecoder), others
-    through HF generate (greedy only)."""
+    sampled at `temperature`. Prompts go in by length, so that a refill's prefill (or an HF batch)
+    pads little; the result is in the prompts' order. Dense Llama/Qwen3 targets run through `decoder`
+    (a BatchDecoder, all prompts in one run of refilled rows), others through HF generate in batches
+    of batch_size (greedy only)."""
     encoded = [encode_chat(tokenizer, p) for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     stops = offline.stop_token_ids(target, tokenizer)
