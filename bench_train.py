@@ -153,7 +153,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             torch.cuda.synchronize()
             if i >= 3:
                 times.append(time.perf_counter() - t0)
-                blocks_seen.append(int((blocks.labels != train.IGNORE).any(1).sum()))   # real blocks only
+                blocks_seen.append(blocks.drawn())   # real blocks only
                 flops.append(train.step_flops(drafter, target, blocks, features.shape[1]))
         seconds = statistics.median(times)
         rows.append({"layers": layers, "features": store_name, "loss": loss_name, "pad_shapes": list(pad), "batch": batch,

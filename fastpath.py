@@ -140,10 +140,10 @@ def fuse_drafter(drafter: Drafter) -> FusedDrafter:
 # -----------------------------------------------------------------------------
 # Target capture: the target's forward at device positions, into static K/V, with its features
 
-def dense_layer(layer, apply_rotary, qkv, gate_up, keys, values, x, cos, sin, slots, S: int):
+def dense_layer(layer, apply_rotary, qkv, gate_up, keys, values, x, cos, sin, slots):
     """One Llama/Qwen3 decoder layer of `DenseTarget.rows`: x (Bt, N, H) -> x after the layer, its K/V
     written into keys/values (Bt, hk, C, d) at each row's buffer slots (Bt, N); a query at slot s sees
-    its row's slots 0..s, of the first S (`attend_upto`). The model's own norms, RoPE (`apply_rotary`),
+    its row's slots 0..s (`attend_upto`). The model's own norms, RoPE (`apply_rotary`),
     o/down projections and SiLU; [q; k; v] and [gate; up] as the fused matrices qkv and gate_up.
     Everything a layer owns comes in as an argument, so one compiled copy serves every layer."""
     attn, (Bt, N, _), hk, d = layer.self_attn, x.shape, keys.shape[1], keys.shape[3]
@@ -155,7 +155,7 @@ def dense_layer(layer, apply_rotary, qkv, gate_up, keys, values, x, cos, sin, sl
     rows = torch.arange(Bt, device=x.device)[:, None]                                   # (Bt, 1)
     keys[rows, :, slots] = k                                                            # (Bt, N, hk, d) into (Bt, hk, C, d)
     values[rows, :, slots] = v
-    o = attend_upto(q, keys[:, :, :S], values[:, :, :S], slots, attn.scaling)
+    o = attend_upto(q, keys, values, slots, attn.scaling)
     x = x + attn.o_proj(o)
     gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, dim=-1)
     return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                         # (Bt, N, H)
@@ -207,10 +207,10 @@ class DenseTarget:
         model, layer_fn, Bt = self.target.model, layer_fn or dense_layer, len(ids)
         x = model.embed_tokens(ids)                                                     # (Bt, N, H)
         cos, sin = model.rotary_emb(x, slots)                                           # (Bt, N, d)
-        captured, S = {}, self.batch_keys[0].shape[2]
+        captured = {}
         for l, layer in enumerate(self.layers):
             x = layer_fn(layer, self.apply_rotary, self.qkv[l], self.gate_up[l], self.batch_keys[l][:Bt],
-                         self.batch_values[l][:Bt], x, cos, sin, slots, S)              # (Bt, N, H)
+                         self.batch_values[l][:Bt], x, cos, sin, slots)                 # (Bt, N, H)
             captured[l] = x
         features = torch.cat([captured[i] for i in self.layer_ids], -1) if self.layer_ids else None
         return model.norm(x), features                                                  # (Bt, N, H), (Bt, N, n·H)

@@ -15,7 +15,7 @@ evaluation.py measures the result.
 
 Shape legend (as in dflash.py, plus): Bt sequences in a batch, N padded sequence length,
 M blocks in a batch, B block size, H hidden, n captured layers, V vocab, h/hk query/key heads,
-d head_dim, C a BatchDecoder's K/V capacity in slots, S the slots a step attends to.
+d head_dim, C a BatchDecoder's K/V capacity in slots.
 """
 from __future__ import annotations
 
@@ -97,6 +97,7 @@ class BatchDecoder:
         self.noise = None                                                              # (Bt, V) once sampling
         self.generator = torch.Generator(device)
         self.graphs = {}
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.layer, self.head = fastpath.dense_layer, self.next_ids                    # eager until compiled
         self.compiled = False
         if device.type == "cuda" if compiled is None else compiled:   # default: compile on CUDA only
@@ -144,9 +145,14 @@ class BatchDecoder:
         live = ~self.ended
         self.out[self.rows, torch.where(live, self.count, self.capacity)] = ids
         self.count.add_(live.long())
-        self.ended.logical_or_((ids[:, None] == self.stops).any(-1) | (self.count >= self.max_new))   # not isin: it syncs
+        self.ended.logical_or_(self.ends(ids, self.count))
         self.lengths.copy_(torch.where(self.ended, 0, self.lengths + 1))
         self.ids.copy_(ids)
+
+    def ends(self, ids, count):
+        """Whether an answer ends with its token `ids` (n,), `count` (n,) tokens long: a stop token, or
+        max_new_tokens. A broadcast comparison, not torch.isin, which cannot always be captured."""
+        return (ids[:, None] == self.stops).any(-1) | (count >= self.max_new)
 
     def draw_noise(self, temperature: float):
         if temperature > 0:
@@ -167,7 +173,9 @@ class BatchDecoder:
             for t, saved in zip((self.ids, self.lengths, self.count, self.ended), state):
                 t.copy_(saved)   # undo the warm-up's steps: the replay redoes this step's K/V and answer writes
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # One memory pool for every temperature's graph: they never run at once and keep nothing in
+            # it between replays (a step's outputs are written into the decoder's own tensors).
+            with torch.cuda.graph(graph, pool=self.pool):
                 self.step(temperature)
             self.graphs[temperature] = graph
         self.graphs[temperature].replay()
@@ -198,7 +206,7 @@ class BatchDecoder:
             self.lengths[rows_t] = ends + 1
             self.count[rows_t] = 1
             self.out[rows_t, 0] = first_ids
-            self.ended[rows_t] = (first_ids[:, None] == self.stops).any(-1) | (self.max_new <= 1)
+            self.ended[rows_t] = self.ends(first_ids, self.count[rows_t])
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
@@ -210,7 +218,8 @@ class BatchDecoder:
             return self._generate(prompts, max_new_tokens, stop_ids, temperature, seed)
 
     def _generate(self, prompts, max_new_tokens, stop_ids, temperature, seed):
-        dflash.require(len(prompts) > 0 and all(len(p) > 0 for p in prompts), "BatchDecoder: an empty prompt")
+        dflash.require(len(prompts) > 0, "BatchDecoder: no prompts")
+        dflash.require(all(len(p) > 0 for p in prompts), "BatchDecoder: an empty prompt")
         longest = max(map(len, prompts))
         dflash.require(longest + max_new_tokens <= self.capacity,
                        f"BatchDecoder: prompt {longest} + {max_new_tokens} new tokens exceeds capacity {self.capacity}")
@@ -425,6 +434,10 @@ class Blocks:
     anchors: torch.Tensor    # (M,) anchor a of each block: x_a is its bonus, at position a
     block_ids: torch.Tensor  # (M, B) block inputs [x_a, m, ..., m]
     labels: torch.Tensor     # (M, B) the label of position a+k at row k ≥ 1 (same position, no shift), else IGNORE
+
+    def drawn(self) -> int:
+        """How many blocks were drawn: each has a label; the padding of make_blocks(pad_to=…) has none."""
+        return int((self.labels != IGNORE).any(1).sum())
 
 
 def pad_sequences(sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -841,8 +854,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                     step += 1
                     entry = {"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]}   # .item() syncs
                     seconds = time.perf_counter() - t_step
-                    real = int((blocks.labels != IGNORE).any(1).sum())   # every drawn block has a label; padding none
-                    entry |= {"blocks": real, "blocks_per_s": real / seconds,
+                    drawn = blocks.drawn()
+                    entry |= {"blocks": drawn, "blocks_per_s": drawn / seconds,
                               "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
                     if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
                         drafter.eval()
