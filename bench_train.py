@@ -10,12 +10,14 @@ one run, after warm-up:
             per step, max(weights + K/V read / copy bandwidth, matmul FLOPs / measured bf16 rate).
   train     one optimizer step of the packed forward over every anchor of a batch of sequences, for
             3 and 5 drafter layers: features cached (gathered from a flat device cache) or live (a
-            target pass per step), and the head's cross-entropy chunked through the frozen head
+            target pass per step); the head's cross-entropy chunked through the frozen head
             (train.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
-            cross-entropy where it is installed; and the cached, chunked step with its shapes
-            rounded up (train.py --pad-shapes 64 512), against the same step unrounded. Each step
-            draws a random batch, so shapes rarely repeat, as in training. Median of the timed
-            steps; blocks/s (real blocks only) and the achieved TFLOP/s of train.step_flops.
+            cross-entropy where it is installed; attention groups of 1 block (a context copy per
+            block), the default 8 and 16 blocks (train.packed_forward); eager or with the drafter
+            compiled (train.py --compile), unrounded or with shapes rounded up (--pad-shapes 64 512).
+            Each step draws a random batch, so shapes rarely repeat, as in training. Median of the
+            timed steps after 3 warm-up steps (their seconds, the compile included, are reported);
+            blocks/s (real blocks only) and the achieved TFLOP/s of train.step_flops.
 
     $ python bench_train.py --out bench-train.json
 """
@@ -121,23 +123,26 @@ def full_logits_loss(target, hidden, labels, weights):
     return (w * ce).sum() / w.sum()
 
 
-def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps: int) -> list[dict]:
-    raw = train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5)
-    drafter = train.new_drafter(target, raw)
-    layer_ids = drafter.config.target_layer_ids
+def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps: int, runs: list[tuple]) -> list[dict]:
+    """One row per run (features, loss, pad_shapes, group, compiled), each on a fresh drafter."""
+    layer_ids = train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5)["dflash_config"]["target_layer_ids"]
     weights = train.position_weights(16, 7.0, "cuda")
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
     live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
     rows = []
-    runs = [("cached", loss_name, (1, 1)) for loss_name in losses] + [("cached", "chunked", PADDED),
-                                                                      ("live", "chunked", (1, 1))]
-    for store_name, loss_name, pad in runs:
+    for store_name, loss_name, pad, group, compiled in runs:
+        drafter = train.new_drafter(target, train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5))
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+        t_compile = time.perf_counter()
+        if compiled:
+            drafter.compile(dynamic=True)
         store, loss_fn = {"cached": cached, "live": live}[store_name], losses[loss_name]
         g = torch.Generator().manual_seed(0)
         times, blocks_seen, flops = [], [], []
         torch.cuda.reset_peak_memory_stats()
         for i in range(steps + 3):
+            if i == 3:
+                warmup_s = time.perf_counter() - t_compile   # 3 steps, the compile included
             indices = torch.randperm(len(sequences), generator=g)[:batch].tolist()   # a new shape nearly every step
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -145,7 +150,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             blocks = train.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
                                        g, labels=labels, pad_to=pad[1])
             with train.autocast(features.device):
-                loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
+                loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features, group), blocks.labels,
                                weights)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -157,6 +162,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
                 flops.append(train.step_flops(drafter, target, blocks, features.shape[1]))
         seconds = statistics.median(times)
         rows.append({"layers": layers, "features": store_name, "loss": loss_name, "pad_shapes": list(pad), "batch": batch,
+                     "group": group or train.default_group(16), "compiled": compiled, "warmup_s": warmup_s,
                      "blocks_per_step": statistics.median(blocks_seen), "step_ms": seconds * 1e3,
                      "blocks_per_s": statistics.median(blocks_seen) / seconds,
                      "tflops": statistics.median(flops) / seconds / 1e12,
@@ -208,17 +214,24 @@ def main():
             losses["liger-fused"] = liger_loss
         except ImportError:
             print("liger-kernel is not installed: its row is skipped")
-        result["train"] = []
-        for layers in (3, 5):
-            result["train"] += bench_train(target, layers, sequences, args.train_batch, losses, args.steps)
+        G = train.default_group(16)
+        runs3 = ([("cached", "chunked", (1, 1), G, False), ("cached", "chunked", (1, 1), G, True),
+                  ("cached", "chunked", (1, 1), 1, False), ("cached", "chunked", (1, 1), 2 * G, False),
+                  ("cached", "chunked", PADDED, G, True)]
+                 + [("cached", name, (1, 1), G, False) for name in losses if name != "chunked"]
+                 + [("live", "chunked", (1, 1), G, False)])
+        runs5 = [("cached", "chunked", (1, 1), G, False)]
+        result["train"] = (bench_train(target, 3, sequences, args.train_batch, losses, args.steps, runs3)
+                           + bench_train(target, 5, sequences, args.train_batch, losses, args.steps, runs5))
         print(f"\ntrain step, {args.train_batch} sequences of 300-612 tokens (prompt 100), every anchor, block 16, "
               f"bf16 autocast, fp32 master weights; matmul peak {flops / 1e12:.0f} TFLOP/s")
-        print(f"{'layers':>6} {'features':>8} {'loss':>12} {'pad':>7} {'blocks':>7} {'ms':>8} {'blocks/s':>9} "
-              f"{'TFLOP/s':>8} {'peak GiB':>8}")
+        print(f"{'layers':>6} {'features':>8} {'loss':>12} {'pad':>7} {'group':>5} {'compiled':>8} {'blocks':>7} "
+              f"{'ms':>8} {'blocks/s':>9} {'TFLOP/s':>8} {'peak GiB':>8} {'warm-up s':>9}")
         for r in result["train"]:
             pad = "x".join(map(str, r["pad_shapes"]))
-            print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {pad:>7} {r['blocks_per_step']:7.0f} "
-                  f"{r['step_ms']:8.1f} {r['blocks_per_s']:9.0f} {r['tflops']:8.1f} {r['peak_gib']:8.1f}")
+            print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {pad:>7} {r['group']:5} {str(r['compiled']):>8} "
+                  f"{r['blocks_per_step']:7.0f} {r['step_ms']:8.1f} {r['blocks_per_s']:9.0f} {r['tflops']:8.1f} "
+                  f"{r['peak_gib']:8.1f} {r['warmup_s']:9.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -1648,28 +1648,41 @@ def test_loss_weights_follow_gamma_rule():
     torch.testing.assert_close(w[2:], torch.exp(-torch.arange(1, 15) / 7.0))
 
 
-@pytest.mark.parametrize("fmt", ["zlab", "zlab-new", "laguna"])
-def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
+@pytest.mark.parametrize("fmt,group", [("zlab", None), ("zlab", 1), ("zlab-new", 2), ("laguna", 3), ("laguna", None)])
+def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt, group):
     """Each block of the packed training forward equals dflash.draft_block with the context of
     positions < a (later context rows exist but must stay unseen), for overlapping blocks, an anchor
-    at 0, two sequences, and bidirectional, causal and sliding-window layers; changing one block's
-    inputs leaves every other block unchanged."""
+    at 0, two sequences whose blocks come in three runs (as make_blocks' padding blocks do), and
+    bidirectional, causal and sliding-window layers, with attention groups of one block, of 2 or 3
+    (a sequence's last group partly empty) and of the default (a whole run); changing one block's
+    inputs leaves every other block, of its group or not, unchanged."""
     target64 = dflash.load_target(str(tiny[0]), torch.float64, "cpu")
     drafter = dflash.load_drafter(str(write_drafter(tmp_path / fmt, fmt, block_size=4)), target64,
                                   torch.float64, "cpu")
     B, N = 4, 14
     c = torch.randn(2, N, H, dtype=torch.float64)                                  # (Bt, N, H)
-    sequence = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1])                           # (M,)
-    anchors = torch.tensor([0, 3, 5, 11, 2, 4, 7, 8, 10])                          # (M,)
+    sequence = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 0])                        # (M,)
+    anchors = torch.tensor([0, 3, 5, 11, 2, 4, 7, 8, 10, 0])                       # (M,)
     x = torch.randn(len(anchors), B, H, dtype=torch.float64)                       # (M, B, H)
-    packed = train.packed_forward(drafter, c, x, sequence, anchors)                # (M, B, H)
+    packed = train.packed_forward(drafter, c, x, sequence, anchors, group)         # (M, B, H)
     for j, (b, a) in enumerate(zip(sequence.tolist(), anchors.tolist())):
         want = dflash.draft_block(drafter, context_of(drafter, c[b, :a]), x[j])
         torch.testing.assert_close(packed[j], want, rtol=1e-10, atol=1e-10)
     moved = x.clone()
     moved[1] += 1.0                                                                # block 1 of sequence 0
-    changed = (train.packed_forward(drafter, c, moved, sequence, anchors) - packed).abs().amax(-1) > 1e-12   # (M, B)
+    changed = (train.packed_forward(drafter, c, moved, sequence, anchors, group) - packed).abs().amax(-1) > 1e-12   # (M, B)
     assert changed[1].all() and not changed[0].any() and not changed[2:].any()
+
+
+def test_attention_groups_keep_each_group_to_one_sequence():
+    """Runs of one sequence split into groups of at most `group` blocks, in order, empty slots
+    pointing past the last block; every block sits in exactly one slot."""
+    owners, slots = train.attention_groups(torch.tensor([0, 0, 0, 1, 1, 0]), 2)
+    assert owners.tolist() == [0, 0, 1, 0]
+    assert slots.tolist() == [[0, 1], [2, 6], [3, 4], [5, 6]]
+    owners, slots = train.attention_groups(torch.tensor([3, 3, 3]), 1)
+    assert owners.tolist() == [3, 3, 3] and slots.tolist() == [[0], [1], [2]]
+    assert train.default_group(16) == 8 and train.default_group(4) == 32 and train.default_group(256) == 1
 
 
 def test_batched_capture_equals_one_sequence_at_a_time(tiny):
@@ -1939,6 +1952,26 @@ def test_padded_shapes_train_exactly_like_unpadded(tiny):
     assert len(padded.anchors) % 8 == 0 and (padded.labels[15:] == train.IGNORE).all()
     features, labels = train.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long), 16)
     assert features.shape == (2, 16, 4) and features[:, 10:].eq(0).all() and labels[:, 10:].eq(train.IGNORE).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_training_follows_eager_on_cuda(tiny):
+    """train --compile (the drafter's forward through inductor, dynamic shapes) on CUDA: the same
+    steps as eager under the same bf16 autocast, loss for loss within bf16 rounding, lowering the
+    loss; the compiled module saves the checkpoint's own parameter names."""
+    path, _, sequences = tiny
+    target = dflash.load_target(str(path), torch.float32, "cuda")
+    runs = {}
+    for compiled in (False, True):
+        _, drafter = fresh_drafter(target, num_layers=2)
+        cfg = train.TrainConfig(epochs=3, batch_size=4, anchors=6, lr=3e-3, eval_every=100, compile=compiled)
+        runs[compiled] = [h["loss"] for h in train.train(target, drafter.cuda(), sequences[:16], [], cfg,
+                                                         progress=False)]
+    names = set(dflash.checkpoint_tensors(drafter))                                # the compiled one's
+    assert len(runs[True]) == 12 and runs[True][-1] < runs[True][0]
+    assert runs[True] == pytest.approx(runs[False], rel=3e-2)
+    assert not any("_orig_mod" in name for name in names)
 
 
 def test_training_prompts_leave_out_the_evaluation_sets(monkeypatch):

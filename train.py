@@ -20,6 +20,7 @@ d head_dim, C a BatchDecoder's K/V capacity in slots.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -501,36 +502,71 @@ def pad_positions(features, labels, multiple: int):
     return torch.nn.functional.pad(features, (0, 0, 0, extra)), torch.nn.functional.pad(labels, (0, extra), value=IGNORE)
 
 
-def packed_mask(anchors, block_size: int, N: int, causal: bool, window: int | None):
-    """Which keys each block row sees in the packed forward: (M,) anchors -> (M, 1, B, N+B) bool. Keys
-    are [context positions 0..N-1 | the block's own rows]. A row of anchor a sees context strictly
-    before a and its own block; within that, dflash.attention_mask applies the layer's causal/window
-    rule to absolute positions, exactly as at inference."""
-    M, B, device = len(anchors), block_size, anchors.device
+GROUP_ROWS = 128   # block rows per attention group: the query tile of the fused attention kernels
+
+
+def default_group(block_size: int) -> int:
+    """Blocks per attention group in the packed forward: GROUP_ROWS block rows (at least one block)."""
+    return max(1, GROUP_ROWS // block_size)
+
+
+def attention_groups(sequence, group: int):
+    """Blocks (M,) by sequence (on the host) -> the packed forward's groups of up to `group` blocks of
+    one sequence: each group's sequence (G,) and the block in each of its slots (G, group), M for an
+    empty slot. Blocks keep their order; a sequence's last group may be partly empty."""
+    slots, owners, of_block = [], [], sequence.tolist()
+    for b, run in itertools.groupby(range(len(of_block)), key=of_block.__getitem__):
+        run = list(run)
+        for i in range(0, len(run), group):
+            part = run[i:i + group]
+            slots.append(part + [len(sequence)] * (group - len(part)))
+            owners.append(b)
+    return torch.tensor(owners, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
+
+
+def packed_mask(anchors, slot_of_row, block_size: int, N: int, causal: bool, window: int | None):
+    """Which keys each row of a group sees in the packed forward: anchors (G, g·B) of each row's
+    block, slot_of_row (G, g·B) -> (G, 1, g·B, N+g·B) bool. Keys are [context positions 0..N-1 | the
+    group's block rows]. A row of anchor a sees context strictly before a and its own block's rows
+    (the other blocks of its group are other drafts); within that, dflash.attention_mask applies the
+    layer's causal/window rule to absolute positions, exactly as at inference."""
+    G, W, device = *anchors.shape, anchors.device
     ctx_positions = torch.arange(N, device=device)                                    # (N,)
-    q_pos = anchors[:, None] + torch.arange(B, device=device)                         # (M, B)
-    before = (ctx_positions < anchors[:, None])[:, None].expand(M, B, N)             # (M, B, N)
-    visible = torch.cat([before, torch.ones(M, B, B, dtype=torch.bool, device=device)], -1)   # (M, B, N+B)
-    rule = dflash.attention_mask(q_pos, torch.cat([ctx_positions.expand(M, N), q_pos], -1), causal, window)
-    return (visible if rule is None else visible & rule)[:, None]                    # (M, 1, B, N+B)
+    q_pos = anchors + torch.arange(W, device=device) % block_size                     # (G, W)
+    before = ctx_positions < anchors[..., None]                                       # (G, W, N)
+    own = slot_of_row[..., :, None] == slot_of_row[..., None, :]                      # (G, W, W)
+    visible = torch.cat([before, own], -1)                                            # (G, W, N+W)
+    rule = dflash.attention_mask(q_pos, torch.cat([ctx_positions.expand(G, N), q_pos], -1), causal, window)
+    return (visible if rule is None else visible & rule)[:, None]                    # (G, 1, W, N+W)
 
 
-def packed_forward(drafter: Drafter, c, x, sequence, anchors):
+def packed_forward(drafter: Drafter, c, x, sequence, anchors, group: int | None = None):
     """dflash.draft_block for every block at once, through the same Drafter.forward: contexts c
     (Bt, N, H) at positions 0..N-1 and block embeddings x (M, B, H), block j of sequence sequence[j]
-    at anchors[j] + 0..B-1. Each layer's context K/V come from its context_kv, as at inference, once
-    per sequence, then are shared out to its blocks; the mask hides the context from the anchor on.
-    Returns the final-normed hidden states (M, B, H)."""
-    N, B = c.shape[1], x.shape[1]
-    positions = anchors[:, None] + torch.arange(B, device=c.device)                   # (M, B)
+    (on the host) at anchors[j] + 0..B-1. Blocks attend in groups of `group` blocks of one sequence
+    (default_group): each group's rows are one query run against one copy of its sequence's context
+    K/V (from each layer's context_kv, as at inference) and the group's own rows, so the context is
+    copied once per group, not once per block; the mask keeps each row to the context before its
+    anchor and its own block. Returns the final-normed hidden states (M, B, H)."""
+    (M, B, H), N, device = x.shape, c.shape[1], c.device
+    group = group or default_group(B)
+    owners, slots = (t.to(device) for t in attention_groups(sequence, group))        # (G,), (G, g)
+    anchors = torch.cat([anchors.to(device), anchors.new_zeros(1, device=device)])    # (M+1,) an empty slot at 0
+    rows_x = torch.cat([x, x.new_zeros(1, B, H)])[slots].flatten(1, 2)                # (G, g·B, H)
+    row_anchors = anchors[slots].repeat_interleave(B, -1)                             # (G, g·B)
+    slot_of_row = torch.arange(group * B, device=device).expand_as(row_anchors) // B  # (G, g·B)
+    positions = row_anchors + torch.arange(group * B, device=device) % B              # (G, g·B)
     masks = {}   # one per distinct (causal, window) rule
     for layer in drafter.layers:
         if (layer.causal, layer.window) not in masks:
-            masks[layer.causal, layer.window] = packed_mask(anchors, B, N, layer.causal, layer.window)
-    tables = drafter.rope_tables(torch.arange(N, device=c.device), c.dtype)
-    context = [tuple(t[sequence] for t in layer.context_kv(c, tables))
-               for layer in drafter.layers]                                           # L × (M, hk, N, d) each
-    return drafter(x, positions, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
+            masks[layer.causal, layer.window] = packed_mask(row_anchors, slot_of_row, B, N, layer.causal, layer.window)
+    tables = drafter.rope_tables(torch.arange(N, device=device), c.dtype)
+    context = [tuple(t[owners] for t in layer.context_kv(c, tables))
+               for layer in drafter.layers]                                           # L × (G, hk, N, d) each
+    hidden = drafter(rows_x, positions, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
+    where = torch.empty(M + 1, dtype=torch.long, device=device)                       # each block's slot
+    where[slots.flatten()] = torch.arange(slots.numel(), device=device)
+    return hidden.unflatten(1, (group, B)).flatten(0, 1)[where[:M]]                   # (M, B, H)
 
 
 @torch.no_grad()
@@ -601,12 +637,13 @@ class CachedFeatures:
         return features, self.labels[rows].masked_fill(past_end, IGNORE)
 
 
-def draft_hidden(target, drafter: Drafter, blocks: Blocks, features):
-    """Drafter hidden states for every block row (M, B, H), through the packed forward."""
+def draft_hidden(target, drafter: Drafter, blocks: Blocks, features, group: int | None = None):
+    """Drafter hidden states for every block row (M, B, H), through the packed forward (its attention
+    groups of `group` blocks)."""
     device = features.device
     c = drafter.project_context(features)                                             # (Bt, N, H)
     x = target.get_input_embeddings()(blocks.block_ids.to(device)).to(c.dtype)        # (M, B, H)
-    return packed_forward(drafter, c, x, blocks.sequence.to(device), blocks.anchors.to(device))
+    return packed_forward(drafter, c, x, blocks.sequence, blocks.anchors, group)
 
 
 def lm_logits(target, hidden):
@@ -664,7 +701,8 @@ def block_loss(target, hidden, labels, weights):
 
 def step_flops(drafter: Drafter, target, blocks: Blocks, N: int) -> float:
     """Matmul FLOPs of one training step as run (padded context included), forward and backward:
-    context projection and K/V over Bt·N positions, the layers over M·B rows attending to N+B keys,
+    context projection and K/V over Bt·N positions, the layers over M·B rows attending to N+B keys
+    (the other blocks of a row's attention group, masked, are not counted),
     and the frozen head over the labelled rows (its forward and the gradient to the rows)."""
     cfg, tcfg = drafter.config, target.config.get_text_config()
     H, h, hk, d, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
@@ -746,6 +784,7 @@ class TrainConfig:
     time_budget: float | None = None  # seconds: the schedule is refitted to the measured step time
     cache_tokens: int | None = None   # most tokens whose features are cached at once; None: the whole set
     pad_shapes: tuple[int, int] = (1, 1)   # a step's context length and block count rounded up to multiples of these
+    compile: bool = False           # torch.compile the drafter's forward (dynamic shapes): fused norms, RoPE, SiLU
     seed: int = 0                   # sequence order and anchors
 
 
@@ -805,6 +844,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         raise DFlashError("training data: no response has 2 tokens (an anchor needs at least one label)")
     target.requires_grad_(False)
     drafter.train().requires_grad_(True)
+    if cfg.compile:   # in place: the module, its parameters and their names stay the checkpoint's
+        drafter.compile(dynamic=True)
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
     steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)
                           for run in shards(list(range(len(sequences))), sequences, cfg.cache_tokens))
@@ -1158,7 +1199,8 @@ def cmd_train(args):
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
-                      cache_tokens=args.cache_tokens, pad_shapes=tuple(args.pad_shapes), seed=args.seed)
+                      cache_tokens=args.cache_tokens, pad_shapes=tuple(args.pad_shapes), compile=args.compile,
+                      seed=args.seed)
     at_init = None   # the checkpoint's held-out τ before this phase: where its line starts
     if args.init and heldout:
         tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=args.batch_size)
@@ -1249,6 +1291,8 @@ def parse_args(argv=None):
     s.add_argument("--pad-shapes", type=int, nargs=2, default=[1, 1], metavar=("POSITIONS", "BLOCKS"),
                    help="round each step's context length and block count up to multiples of these (masked, "
                         "unlabelled padding: the same loss), so that steps repeat fewer shapes (default: 1 1, none)")
+    s.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward (dynamic shapes; "
+                   "the first steps wait for the compiler)")
     s.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
     s.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
     s.add_argument("--weight-decay", type=float, default=0.0)
