@@ -1682,6 +1682,8 @@ def test_attention_groups_keep_each_group_to_one_sequence():
     assert slots.tolist() == [[0, 1], [2, 6], [3, 4], [5, 6]]
     owners, slots = train.attention_groups(torch.tensor([3, 3, 3]), 1)
     assert owners.tolist() == [3, 3, 3] and slots.tolist() == [[0], [1], [2]]
+    owners, slots = train.attention_groups(torch.tensor([], dtype=torch.long), 4)
+    assert owners.shape == (0,) and slots.shape == (0, 4)
     assert train.default_group(16) == 8 and train.default_group(4) == 32 and train.default_group(256) == 1
 
 
@@ -1931,6 +1933,19 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):
     live_sharded = [h["loss"] for h in train.train(target, drafter.double(), sequences[:16], [], cfg, progress=False,
                                                    store=train.LiveFeatures)]
     assert runs["sharded"] == pytest.approx(live_sharded, rel=1e-10)
+
+
+def test_a_batch_without_a_labelled_block_is_skipped(tiny):
+    """A batch whose responses are all one token long has no block to learn from: training takes no
+    step on it (no 0/0 loss that would turn the weights to NaN) and goes on with the next batch."""
+    path, target, sequences = tiny
+    stubs = [train.Sequence(s.ids[:s.prompt_len + 1], s.prompt_len) for s in sequences[4:8]]   # 1-token answers
+    _, drafter = fresh_drafter(target)
+    cfg = train.TrainConfig(epochs=1, batch_size=1, anchors=6, lr=3e-3, eval_every=100)
+    history = train.train(target, drafter, sequences[:4] + stubs, [], cfg, progress=False)
+    assert len(history) == 8   # the planned steps, all on the four real answers
+    assert all(math.isfinite(h["loss"]) and h["blocks"] > 0 for h in history)
+    assert all(torch.isfinite(p).all() for p in drafter.parameters())
 
 
 def test_padded_shapes_train_exactly_like_unpadded(tiny):

@@ -525,7 +525,7 @@ def attention_groups(sequence, group: int):
             part = run[i:i + group]
             slots.append(part + [len(sequence)] * (group - len(part)))
             owners.append(b)
-    return torch.tensor(owners, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
+    return torch.tensor(owners, dtype=torch.long), torch.tensor(slots, dtype=torch.long).reshape(-1, group)
 
 
 def packed_mask(anchors, slot_of_row, block_size: int, N: int, causal: bool, window: int | None):
@@ -890,6 +890,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                                                      cfg.pad_shapes[0])                 # (Bt, N, n·H), (Bt, N)
                     blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
                                          generator, labels=labels, pad_to=cfg.pad_shapes[1])
+                    if not blocks.drawn():   # no response here has two tokens: no step, rather than a 0/0 loss
+                        continue
                     with autocast(device):
                         hidden = draft_hidden(target, drafter, blocks, features)
                         loss = block_loss(target, hidden, blocks.labels, weights)
