@@ -2474,7 +2474,9 @@ def test_shipped_drafter_is_lossless_and_drafts_usefully():
     ids = train.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
     gen = dflash.generate(target, drafter, ids, 64, stop_ids=stops)
     assert_same_tokens(gen.tokens, dflash.generate(target, None, ids, 64, stop_ids=stops).tokens)
-    assert gen.tau >= 2.7, gen.tau          # observed 2.86 (phase 5: 2.17); an untrained drafter gives about 1.0
+    # observed 2.74 with phase 7a (6c: 2.86, phase 5: 2.17), which is 23 rounds: one round more reads 2.62;
+    # an untrained drafter gives about 1.0. On the CPU eval 7a is the better drafter (τ 2.38 / 2.60 vs 2.24 / 2.53).
+    assert gen.tau >= 2.6, gen.tau
 
 
 @pytest.mark.package
@@ -2488,7 +2490,7 @@ def test_cli_default_runs_the_shipped_pair():
     assert alone.returncode == 0, alone.stderr
     spec, alone = json.loads(spec.stdout), json.loads(alone.stdout)
     assert spec["tokens"] == alone["tokens"] and spec["text"].strip()
-    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.64 (phase 5: 1.53)
+    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.77 (phase 6c: 1.64, phase 5: 1.53)
     assert max(len(r["draft"]) for r in spec["rounds"]) == dflash.CPU_NUM_DRAFTS == 7   # the CPU default K
 
 
