@@ -126,13 +126,14 @@ def full_logits_loss(target, hidden, labels, weights):
 
 def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps: int, runs: list[tuple]) -> list[dict]:
     """One row per run (features, loss, pad_shapes, group, compiled), each on a fresh drafter."""
-    layer_ids = train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5)["dflash_config"]["target_layer_ids"]
+    raw = train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5)
+    layer_ids = raw["dflash_config"]["target_layer_ids"]
     weights = train.position_weights(16, 7.0, "cuda")
     cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
     live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
     rows = []
     for run, (store_name, loss_name, pad, group, compiled) in enumerate(runs):
-        drafter = train.new_drafter(target, train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5))
+        drafter = train.new_drafter(target, raw)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
         t_compile = time.perf_counter()
         if compiled:
@@ -165,7 +166,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
                 flops.append(train.step_flops(drafter, target, blocks, features.shape[1]))
         seconds = statistics.median(times)
         rows.append({"layers": layers, "features": store_name, "loss": loss_name, "pad_shapes": list(pad), "batch": batch,
-                     "group": group or train.default_group(16), "compiled": compiled, "warmup_s": warmup_s,
+                     "group": group, "compiled": compiled, "warmup_s": warmup_s,
                      "blocks_per_step": statistics.median(blocks_seen), "step_ms": seconds * 1e3,
                      "blocks_per_s": statistics.median(blocks_seen) / seconds,
                      "tflops": statistics.median(flops) / seconds / 1e12,

@@ -890,7 +890,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                                                      cfg.pad_shapes[0])                 # (Bt, N, n·H), (Bt, N)
                     blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
                                          generator, labels=labels, pad_to=cfg.pad_shapes[1])
-                    if not blocks.drawn():   # no response here has two tokens: no step, rather than a 0/0 loss
+                    drawn = blocks.drawn()
+                    if not drawn:   # no response here has two tokens: no step, rather than a 0/0 loss
                         continue
                     with autocast(device):
                         hidden = draft_hidden(target, drafter, blocks, features)
@@ -905,7 +906,6 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                     seconds = time.perf_counter() - t_step
                     if step == 1:
                         overhead += seconds
-                    drawn = blocks.drawn()
                     entry |= {"blocks": drawn, "blocks_per_s": drawn / seconds,
                               "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
                     if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
