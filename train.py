@@ -579,10 +579,12 @@ def capture_features(target, ids, lengths, layer_ids: list[int], dtype, with_lab
     """One batched pass of the frozen target over right-padded ids (Bt, N) -> captured features
     (Bt, N, n·H) and the target's own label of every position (Bt, N): its argmax given the text
     before, IGNORE at position 0 and past each length (None without with_labels, which also skips
-    the (Bt, N, V) logits). Attention is causal, so padding never reaches a real position."""
+    the (Bt, N, V) logits). Attention is causal, so padding never reaches a real position. SDPA
+    leaves cuDNN out (dflash.TARGET_ATTENTION): each pass has a new padded length, and cuDNN would
+    plan every one."""
     device = target.get_input_embeddings().weight.device
     ids = ids.to(device)
-    with closing(dflash.Capture(target, layer_ids)) as capture:
+    with closing(dflash.Capture(target, layer_ids)) as capture, sdpa_kernel(dflash.TARGET_ATTENTION):
         logits = target(input_ids=ids, use_cache=False, logits_to_keep=0 if with_labels else 1).logits
         features = capture.features().to(dtype)                                       # (Bt, N, n·H)
     if not with_labels:
