@@ -2473,9 +2473,9 @@ def test_shipped_drafter_is_lossless_and_drafts_usefully():
     ids = train.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
     gen = dflash.generate(target, drafter, ids, 64, stop_ids=stops)
     assert_same_tokens(gen.tokens, dflash.generate(target, None, ids, 64, stop_ids=stops).tokens)
-    # observed 2.74 with phase 7a (6c: 2.86, phase 5: 2.17), which is 23 rounds: one round more reads 2.62;
-    # an untrained drafter gives about 1.0. On the CPU eval 7a is the better drafter (τ 2.38 / 2.60 vs 2.24 / 2.53).
-    assert gen.tau >= 2.6, gen.tau
+    # observed 3.15 with phase 8a (7a: 2.74, 6c: 2.86, phase 5: 2.17), which is 20 rounds: one round more
+    # reads 3.0; an untrained drafter gives about 1.0.
+    assert gen.tau >= 3.0, gen.tau
 
 
 @pytest.mark.package

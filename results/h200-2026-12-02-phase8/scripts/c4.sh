@@ -13,10 +13,10 @@ timeout 330 python3 evaluation.py --target $DIR --draft $STASH/d8a --impl fastpa
 echo "eval rc ${PIPESTATUS[0]} at $(el)s"; tail -n 4 $STASH/eval-8a.log
 cp $STASH/eval8a/eval.json $OUT/eval-h200.json; cp $STASH/eval8a/eval.png $OUT/eval-h200.png
 cp $STASH/d8a/training.json $OUT/training.json; cp $STASH/d8a/config.json $STASH/
+cd $STASH && tar czf $OUT/logs.tar.gz distill-code.log distill-chat.log train-8a.log eval-8a.log config.json && cd - > /dev/null
 if [ -e .carry/d6c/model.safetensors ]; then
   timeout $(( 560 - $(el) )) python3 evaluation.py --target $DIR --draft .carry/d6c --impl fastpath --datasets mtbench \
     --out $STASH/eval6c 2>&1 | tr '\r' '\n' | grep -v "Warn\|warn\|prompt/s" > $STASH/eval-6c.log
-  echo "eval 6c rc ${PIPESTATUS[0]} at $(el)s"; tail -n 3 $STASH/eval-6c.log; cp $STASH/eval6c/eval.json $STASH/eval-6c-mtbench.json
+  echo "eval 6c rc ${PIPESTATUS[0]} at $(el)s"; tail -n 3 $STASH/eval-6c.log; cp $STASH/eval6c/eval.json $OUT/eval-6c-mtbench.json; cp $STASH/eval-6c.log $OUT/
 fi
-cd $STASH && tar czf $OUT/logs.tar.gz $(ls distill-code.log distill-chat.log train-8a.log eval-8a.log config.json eval-6c.log eval-6c-mtbench.json 2>/dev/null)
 echo "done at $(el)s"

@@ -1,7 +1,7 @@
 """Redraw the shipped drafter's plots from its committed JSON: eval-h200.png (or eval-cpu.png) from
 eval-*.json, and training.png from the phase histories, one line per phase.
 
-    $ python results/h200-2026-12-01-phase7/plots.py
+    $ python results/h200-2026-12-02-phase8/plots.py
 """
 import json
 import sys
@@ -13,7 +13,8 @@ import evaluation  # noqa: E402
 DRAFTER = Path(__file__).resolve().parents[2] / "drafter" / "SmolLM2-135M-Instruct-DFlash-b16"
 PHASES = {"phase 1": "training-phase1.json", "phase 2": "training-phase2.json", "phase 3": "training-phase3.json",
           "phase 4": "training-phase4.json", "phase 5": "training-phase5.json", "phase 6a": "training-phase6a.json",
-          "phase 6b": "training-phase6b.json", "phase 6c": "training-phase6c.json", "phase 7a": "training.json"}
+          "phase 6b": "training-phase6b.json", "phase 6c": "training-phase6c.json", "phase 7a": "training-phase7a.json",
+          "phase 8a": "training.json"}
 
 for name in ("eval-h200", "eval-cpu"):
     if (DRAFTER / f"{name}.json").is_file():
