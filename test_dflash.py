@@ -2489,7 +2489,7 @@ def test_cli_default_runs_the_shipped_pair():
     assert alone.returncode == 0, alone.stderr
     spec, alone = json.loads(spec.stdout), json.loads(alone.stdout)
     assert spec["tokens"] == alone["tokens"] and spec["text"].strip()
-    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.77 (phase 6c: 1.64, phase 5: 1.53)
+    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.92 (phase 7a: 1.77, 6c: 1.64, phase 5: 1.53)
     assert max(len(r["draft"]) for r in spec["rounds"]) == dflash.CPU_NUM_DRAFTS == 7   # the CPU default K
 
 
