@@ -1935,6 +1935,21 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):
     assert runs["sharded"] == pytest.approx(live_sharded, rel=1e-10)
 
 
+def test_feature_shards_hold_whole_batches():
+    """Feature shards stay within their token budget and hold whole batches, so that only an epoch's last
+    batch is short; a batch over the budget still makes a shard of its own; no budget is one shard."""
+    sequences = [train.Sequence(torch.zeros(n, dtype=torch.long), 1) for n in [30, 10, 25, 40, 5, 50, 20, 15, 35, 45, 12]]
+    order = [3, 0, 7, 10, 1, 5, 9, 2, 8, 4, 6]
+    runs = train.shards(order, sequences, 150, batch_size=3)   # batches of 85, 72, 105 and 25 tokens
+    assert runs == [[3, 0, 7], [10, 1, 5], [9, 2, 8, 4, 6]]
+    assert all(sum(len(sequences[i].ids) for i in run) <= 150 for run in runs)
+    # a sequence at a time, the same budget cuts inside a batch: 107 + 50 > 150
+    assert [len(run) for run in train.shards(order, sequences, 150)] == [5, 3, 3]
+    # a batch over the budget (105 of 100) is a shard of its own
+    assert train.shards(order, sequences, 100, batch_size=3) == [[3, 0, 7], [10, 1, 5], [9, 2, 8], [4, 6]]
+    assert train.shards(order, sequences, None, batch_size=3) == [order]
+
+
 def test_a_batch_without_a_labelled_block_is_skipped(tiny):
     """A batch whose responses are all one token long has no block to learn from: training takes no
     step on it (no 0/0 loss that would turn the weights to NaN) and goes on with the next batch."""

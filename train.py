@@ -822,17 +822,21 @@ def fit_to_budget(plan: dict, step: int, elapsed: float, cfg: TrainConfig, bar, 
         bar.total = total
 
 
-def shards(order: list[int], sequences: list[Sequence], max_tokens: int | None) -> list[list[int]]:
-    """`order` cut into consecutive runs of at most max_tokens tokens (at least one sequence each)."""
+def shards(order: list[int], sequences: list[Sequence], max_tokens: int | None, batch_size: int = 1) -> list[list[int]]:
+    """`order` cut into consecutive runs of at most max_tokens tokens (at least one batch each), each
+    a whole number of batches of batch_size but the last: only an epoch's last batch comes short, not
+    each run's (a short batch is a new shape, which a compiled drafter may compile again for)."""
     if max_tokens is None:
         return [order]
     runs, tokens = [[]], 0
-    for i in order:
-        if runs[-1] and tokens + len(sequences[i].ids) > max_tokens:
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        batch_tokens = sum(len(sequences[i].ids) for i in batch)
+        if runs[-1] and tokens + batch_tokens > max_tokens:
             runs.append([])
             tokens = 0
-        runs[-1].append(i)
-        tokens += len(sequences[i].ids)
+        runs[-1] += batch
+        tokens += batch_tokens
     return runs
 
 
@@ -855,7 +859,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         drafter.compile(dynamic=True)
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
     steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)
-                          for run in shards(list(range(len(sequences))), sequences, cfg.cache_tokens))
+                          for run in shards(list(range(len(sequences))), sequences, cfg.cache_tokens, cfg.batch_size))
     plan = {"planned": min(cfg.epochs * steps_per_epoch, cfg.max_steps or 10**12)}
     plan["total"] = plan["planned"]
     plan["warmup"] = max(1, round(cfg.warmup * plan["total"]))
@@ -872,7 +876,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     try:   # Ctrl-C ends training where it is; the caller saves the drafter as trained so far
         while step < plan["total"]:
             order = torch.randperm(len(sequences), generator=generator).tolist()   # new order and anchors each epoch
-            runs = shards(order, sequences, cfg.cache_tokens)
+            runs = shards(order, sequences, cfg.cache_tokens, cfg.batch_size)
             for run in runs:
                 if features_of is None or len(runs) > 1:   # one shard: captured once for the whole run
                     t_capture = time.perf_counter()
@@ -1299,7 +1303,8 @@ def parse_args(argv=None):
     s.add_argument("--anchors", type=int, default=512,
                    help="blocks per sequence at most, re-sampled each epoch (≥ the response length: every position)")
     s.add_argument("--cache-tokens", type=int, help="most tokens whose target features are cached on the device at "
-                   "once (n·H values each); a larger data set is captured shard by shard (default: all at once)")
+                   "once (n·H values each); a larger data set is captured shard by shard, each of whole batches "
+                   "(default: all at once)")
     s.add_argument("--pad-shapes", type=int, nargs=2, default=[1, 1], metavar=("POSITIONS", "BLOCKS"),
                    help="round each step's context length and block count up to multiples of these (masked, "
                         "unlabelled padding: the same loss), so that steps repeat fewer shapes (default: 1 1, none)")
