@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 import dflash
 import fastpath
@@ -504,9 +504,6 @@ def pad_positions(features, labels, multiple: int):
 
 
 GROUP_ROWS = 128   # block rows per attention group: the query tile of the fused attention kernels
-# The packed forward's SDPA kernels: all but cuDNN's, which builds a plan for every new shape, and each
-# training step brings new ones (H200, 32 sequences a step: 184 against 266 ms, p90 202 against 1,624).
-TRAIN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def default_group(block_size: int) -> int:
@@ -567,7 +564,9 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors, group: int | None 
     tables = drafter.rope_tables(torch.arange(N, device=device), c.dtype)
     context = [tuple(t[owners] for t in layer.context_kv(c, tables))
                for layer in drafter.layers]                                           # L × (G, hk, N, d) each
-    with sdpa_kernel(TRAIN_ATTENTION):
+    # cuDNN left out, as for the target: it plans every new shape, and each training step brings new ones
+    # (H200, 32 sequences a step: 184 against 266 ms, p90 202 against 1,624)
+    with sdpa_kernel(dflash.TARGET_ATTENTION):
         hidden = drafter(rows_x, positions, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
     where = torch.empty(M + 1, dtype=torch.long, device=device)                       # each block's slot
     where[slots.flatten()] = torch.arange(slots.numel(), device=device)
