@@ -10,6 +10,9 @@ also projected at τ = 6.5), then times, after warm-up, with CUDA events / synch
   fast-ar           fastpath target-only greedy step (one token)
   fast-dflash       one fastpath DFlash step (graph replay), and its draft and verify parts
 
+and per layer (one target layer at 1 and K+1 rows, one drafter layer, each compiled and captured
+alone): kernels, kernel time, replay time and the kernels by name.
+
 Each row: median ms per step (≥ 20 steps), tokens/s at the measured τ and at τ = 6.5, and the floor
 = bytes that must be read per step / device copy bandwidth measured in this run.
 
@@ -155,6 +158,52 @@ def profile_eager(name: str, run, steps: int):
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
+def layer_profile(run, steps=20) -> dict:
+    """One layer's call `run()`, compiled (fullgraph) and captured as a CUDA graph: its kernels per
+    call, their names, the kernel time and the replay time (CUDA events, median of 50)."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
+    compiled = torch.compile(run, fullgraph=True)
+    for _ in range(3):
+        compiled()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        compiled()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = Counter(e.name[:90] for e in kernels)
+    return dict(kernels=len(kernels) / steps, kernel_us=sum(e.device_time for e in kernels) / steps,
+                replay_us=graph_time(graph.replay) * 1e3, names={n: c / steps for n, c in names.most_common()})
+
+
+def layer_profiles(dec, context: int) -> dict:
+    """`layer_profile` of one target layer (fastpath.dense_layer, 1 and K+1 rows at the mid-generation
+    context) and one drafter layer (fastpath.draft_layer, a block of W rows) over dec's buffers."""
+    stack, K, device = dec.target_stack, dec.K, dec.device
+    layer, H = stack.layers[0], stack.target.config.hidden_size
+    out = {}
+    for rows in (1, K + 1):
+        x = torch.randn(1, rows, H, device=device, dtype=torch.bfloat16)                 # (1, N, H)
+        slots = context + torch.arange(rows, device=device)[None]                        # (1, N)
+        cos, sin = stack.target.model.rotary_emb(x, slots)
+        out[f"target layer, {rows} row{'s' if rows > 1 else ''}"] = layer_profile(lambda: fastpath.dense_layer(
+            layer, stack.apply_rotary, stack.qkv[0], stack.gate_up[0], stack.batch_keys[0][:1],
+            stack.batch_values[0][:1], x, cos, sin, slots))
+    module, W, C = dec.fused.module, dec.fused.module.config.block_size, dec.capacity
+    x = torch.randn(W, H, device=device, dtype=torch.bfloat16)                           # (W, H)
+    positions = context + torch.arange(W, device=device)
+    table = module.rope_tables(positions, x.dtype)[module.layers[0].self_attn.rope_theta]
+    mask = torch.cat([torch.arange(C, device=device) < context, torch.ones(W, dtype=torch.bool, device=device)])
+    mask = mask[None].expand(W, C + W)                                                   # (W, C+W)
+    out[f"drafter layer, {W} rows"] = layer_profile(lambda: fastpath.draft_layer(
+        module.layers[0], dec.fused.gate_up[0], dec.buf.ctx_keys[0], dec.buf.ctx_values[0], x, table, mask))
+    return out
+
+
 def hf_generate_rate(target, prompt, max_new_tokens, **kwargs) -> float:
     """ms per token of HF generate (decode part: total minus a 1-token run for the prefill)."""
     ids = torch.tensor([prompt], device="cuda")
@@ -176,7 +225,8 @@ def main():
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--skip", default="", help="comma-separated rows to skip: fast, dflash-ref, hf-eager, hf-static-compile")
+    p.add_argument("--skip", default="", help="comma-separated rows to skip: fast, layers, dflash-ref, "
+                   "hf-eager, hf-static-compile")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="also print the kernels of one graphed step")
     p.add_argument("--profile-eager", action="store_true",
@@ -201,7 +251,7 @@ def main():
                       new_tokens=args.new_tokens, K=K, weights="random (timing only; τ measured = 1)",
                       copy_bandwidth_TBps=bandwidth / 1e12, bytes_ar=ar_bytes, bytes_dflash_step=ar_bytes + draft_bytes,
                       compile_and_capture_s={})
-    rows, errors = [], {}
+    rows, errors, layers = [], {}, {}
     print(f"\n{args.shape}: {conditions['gpu']}, bf16, batch 1, prompt {args.prompt_len}, {args.new_tokens} new, "
           f"K={K}, random weights; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
           f"{floor_step:.3f} ms/DFlash step (incl. {lm_head / 1e9:.2f} GB LM head read again for drafts)")
@@ -217,9 +267,12 @@ def main():
         print(f"{r['row']:<22}{fmt(r['ms_per_step'], '9.3f')}{r['tau']:6.2f}{fmt(r['tok_s'], '9.1f')}"
               f"{fmt(r['tok_s_at_6_5'], '11.1f')}{r['floor_ms']:10.3f}{fmt(r['ratio'], '9.2f')}  {r['note']}",
               flush=True)
-        if args.out:   # rewritten after every row, so a run cut short still leaves its numbers
+        save()
+
+    def save():   # rewritten after every row, so a run cut short still leaves its numbers
+        if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(conditions=conditions, rows=rows, errors=errors), f, indent=2)
+                json.dump(dict(conditions=conditions, rows=rows, errors=errors, layers=layers), f, indent=2)
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
@@ -242,6 +295,14 @@ def main():
             add("  fast verify part", graph_time(dec.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
         if args.profile:
             profile_step(dec)
+        if "layers" not in skip:
+            with torch.inference_mode():
+                layers.update(layer_profiles(dec, context))
+            save()
+            print("\nper layer (compiled and captured alone):")
+            for what, p in layers.items():
+                print(f"  {what:<26}{p['kernels']:5.0f} kernels {p['kernel_us']:8.1f} us kernel time "
+                      f"{p['replay_us']:8.1f} us replay")
     if "dflash-ref" not in skip:
         times, gen = round_times(dflash.generate, target, drafter, prompt, 32)
         add("dflash-ref step", statistics.median(times[4:]) * 1e3, gen.tau, floor_step, speculative=True)

@@ -406,30 +406,36 @@ def triton_attend_upto(q, keys, values, last, scale: float):
     return out.view(Bt, N, h * d)
 
 
+def draft_layer(layer, gate_up, ctx_keys, ctx_values, x, table, mask):
+    """One drafter layer of `draft_block`: block rows x (W, H) over the layer's context keys/values
+    (hk, C, d) and their own, mask (W, C+W) -> x after the layer; [gate; up] as the fused gate_up."""
+    attn, W, d = layer.self_attn, len(x), ctx_keys.shape[-1]
+    u = layer.input_layernorm(x)                                                        # (W, H)
+    q, k, v = (u @ attn.qkv_proj.weight.T).view(W, -1, d).split(attn.heads, 1)          # (W, h|hk, d)
+    q, k = rope(attn.q_norm(q), table), rope(attn.k_norm(k), table)
+    keys = torch.cat([ctx_keys, k.transpose(0, 1)], dim=1)                              # (hk, C+W, d)
+    values = torch.cat([ctx_values, v.transpose(0, 1)], dim=1)                          # (hk, C+W, d)
+    o = attend(q, keys, values, mask, d ** -0.5).view(W, -1, d)                        # (W, h, d)
+    if attn.g_proj is not None:
+        o = dflash.gate(attn.g_proj(u), o)
+    x = x + attn.o_proj(o.reshape(W, -1))                                               # (W, H)
+    gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, dim=-1)
+    return x + layer.mlp.down_proj(F.silu(gate) * up)                                   # (W, H)
+
+
 def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
     """dflash.draft_block over the static context: keys are all C buffer rows plus the block, and
     context rows at positions ≥ start (not yet committed) are masked out."""
-    cfg, W, C = drafter.module.config, len(block_embeds), buf.ctx_keys[0].shape[1]
-    h, d, device = cfg.num_heads, cfg.head_dim, block_embeds.device
+    W, C, device = len(block_embeds), buf.ctx_keys[0].shape[1], block_embeds.device
     positions = buf.start + torch.arange(W, device=device)                             # (W,)
     key_positions = torch.cat([torch.arange(C, device=device), positions])             # (C+W,)
     committed = torch.cat([torch.arange(C, device=device) < buf.start,
                            torch.ones(W, dtype=torch.bool, device=device)])             # (C+W,)
     x, tables = block_embeds, drafter.module.rope_tables(positions, block_embeds.dtype)   # x (W, H)
     for l, layer in enumerate(drafter.module.layers):
-        attn, table = layer.self_attn, tables[layer.self_attn.rope_theta]
-        u = layer.input_layernorm(x)                                                    # (W, H)
-        q, k, v = (u @ attn.qkv_proj.weight.T).view(W, -1, d).split(attn.heads, 1)      # (W, h|hk, d)
-        q, k = rope(attn.q_norm(q), table), rope(attn.k_norm(k), table)
-        keys = torch.cat([buf.ctx_keys[l], k.transpose(0, 1)], dim=1)                   # (hk, C+W, d)
-        values = torch.cat([buf.ctx_values[l], v.transpose(0, 1)], dim=1)               # (hk, C+W, d)
-        mask = attention_mask(positions, key_positions, layer.causal, layer.window) & committed
-        o = attend(q, keys, values, mask, d ** -0.5).view(W, h, d)                     # (W, h, d)
-        if attn.g_proj is not None:
-            o = dflash.gate(attn.g_proj(u), o)
-        x = x + attn.o_proj(o.reshape(W, -1))                                           # (W, H)
-        gate, up = (layer.post_attention_layernorm(x) @ drafter.gate_up[l].T).chunk(2, dim=-1)
-        x = x + layer.mlp.down_proj(F.silu(gate) * up)                                  # (W, H)
+        mask = attention_mask(positions, key_positions, layer.causal, layer.window) & committed   # (W, C+W)
+        x = draft_layer(layer, drafter.gate_up[l], buf.ctx_keys[l], buf.ctx_values[l], x,
+                        tables[layer.self_attn.rope_theta], mask)                       # (W, H)
     return drafter.module.norm(x)                                                       # (W, H)
 
 
