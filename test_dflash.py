@@ -1034,6 +1034,7 @@ BAD_FLAGS = {
                                  "--target-only)"),
     "train --heldout 99": ("train.py", TRAIN + ["--heldout", "99"],
                            "--heldout = 99 must be in 0..23 ({data} has 24 greedy answers)"),
+    "train --heldout 4 4": ("train.py", TRAIN + ["--heldout", "4", "4"], "--heldout has 2 counts for 1 --data file"),
     "train --block-size 1": ("train.py", TRAIN + ["--block-size", "1"],
                              "--block-size = 1 must be at least 2 (the bonus and one draft)"),
     "train --layers 0": ("train.py", TRAIN + ["--layers", "0"], "--layers = 0 must be at least 1"),
@@ -2266,24 +2267,31 @@ def run_train_cli(*args):
 
 
 def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
-    """`train.py train` end to end on a tiny target writes a drafter that loads. With two data files the
-    held-out answers come from the first, and every answer of the second trains but one to a
-    held-out prompt."""
+    """`train.py train` end to end on a tiny target writes a drafter that loads. With two data files and
+    `--heldout 4 2` each file holds out the greedy answers to its last prompts, and no answer to a
+    held-out prompt of either file trains; the second file's held-out τ is in the history too."""
     path, target, sequences = tiny
     train.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
     train.save_sequences(tmp_path / "code.pt", sequences[:5] + sequences[22:23], {"prompt_indices": list(range(6)),
                                                                                  "source": "code"})
     result = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"),
                            str(tmp_path / "code.pt"), "--out", str(tmp_path / "d"), "--block-size", "4", "--layers",
-                           "1", "--mask-token-id", str(MASK), "--max-steps", "3", "--heldout", "4", "--device", "cpu",
-                           "--save-dtype", "float32")
+                           "1", "--mask-token-id", str(MASK), "--max-steps", "3", "--heldout", "4", "2", "--device",
+                           "cpu", "--save-dtype", "float32")
     assert result.returncode == 0, result.stderr
-    assert "25 training sequences, 4 held out" in result.stderr
-    assert f"--data {tmp_path / 'code.pt'}: left out 1 of its answers, whose prompts are held out" in result.stderr
+    code = str(tmp_path / "code.pt")
+    # data.pt: 24 less its 4 held out, less sequences[4], whose prompt code.pt holds out; code.pt: 6 less
+    # its held-out sequences[4] and sequences[22] (held out by data.pt as well)
+    assert f"23 training sequences, 4 held out, 2 from {code}" in result.stderr
+    assert f"--data {code}: left out 2 of its answers, whose prompts are held out" in result.stderr
     log = json.loads((tmp_path / "d" / "training.json").read_text())
     assert len(log["history"]) == 3 and log["heldout_sharegpt_indices"] == list(range(20, 24))
-    assert log["data"]["training_sequences"] == 25
-    assert [(m["source"], m["sequences"]) for m in log["data"]["more_data"]] == [("code", 5)]
+    assert log["heldout_more_indices"] == {code: [4, 5]}
+    assert log["data"]["training_sequences"] == 23
+    assert [(m["source"], m["sequences"]) for m in log["data"]["more_data"]] == [("code", 4)]
+    last = log["history"][-1]["heldout_more"][code]
+    assert last["tau"] >= 1 and len(last["acceptance"]) == 3
+    assert f", {last['tau']:.2f} on {code} -> " in result.stderr
     assert log["at_init"] is None
     dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
     again = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out",

@@ -766,6 +766,15 @@ def estimate_acceptance(target, drafter: Drafter, sequences: list[Sequence], bat
     return tau, [sum(L > k for L in accepted) / len(accepted) for k in range(K)]
 
 
+def heldout_estimates(target, drafter: Drafter, sets: dict[str, list[Sequence]], batch_size=4) -> dict:
+    """`estimate_acceptance` of each named held-out set -> {name: {"tau": τ, "acceptance": per position}}."""
+    estimates = {}
+    for name, sequences in sets.items():
+        tau, acceptance = estimate_acceptance(target, drafter, sequences, batch_size=batch_size)
+        estimates[name] = {"tau": tau, "acceptance": acceptance}
+    return estimates
+
+
 def autocast(device):
     """bf16 autocast on CUDA (master weights stay float32); plain float math elsewhere."""
     enabled = device.type == "cuda"
@@ -840,12 +849,13 @@ def shards(order: list[int], sequences: list[Sequence], max_tokens: int | None, 
 
 
 def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Sequence], cfg: TrainConfig,
-          progress: bool = True, store=CachedFeatures) -> list[dict]:
+          progress: bool = True, store=CachedFeatures, more_heldout: dict[str, list[Sequence]] | None = None) -> list[dict]:
     """Train fc, hidden_norm, the layers and norm of `drafter` on self-distilled sequences; the
     target, its embeddings and LM head stay frozen. The target's features and labels come from
     `store`: by default captured once (CachedFeatures, cfg.cache_tokens at a time), or LiveFeatures,
     a target pass per step. Returns the history: loss, blocks/s and TFLOP/s per step, held-out τ
-    every cfg.eval_every steps."""
+    every cfg.eval_every steps (`heldout_tau`; the sets of `more_heldout`, e.g. another data file's,
+    under `heldout_more` by name)."""
     from tqdm import tqdm
     if not sequences:
         raise DFlashError("training data: no sequences")
@@ -913,11 +923,14 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                         overhead += seconds
                     entry |= {"blocks": drawn, "blocks_per_s": drawn / seconds,
                               "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
-                    if heldout and (step % cfg.eval_every == 0 or step == plan["total"]):
+                    if (heldout or more_heldout) and (step % cfg.eval_every == 0 or step == plan["total"]):
                         drafter.eval()
-                        tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=cfg.batch_size)
+                        if heldout:
+                            tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=cfg.batch_size)
+                            entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
+                        if more_heldout:
+                            entry["heldout_more"] = heldout_estimates(target, drafter, more_heldout, cfg.batch_size)
                         drafter.train()
-                        entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
                     history.append(entry)
                     if cfg.time_budget and refit_now(step):
                         fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, overhead)
@@ -1178,12 +1191,22 @@ def cmd_train(args):
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target = dflash.load_target(args.target, dtype, device)
+    dflash.require(len(args.heldout) <= len(args.data), f"--heldout has {len(args.heldout)} counts for "
+                   f"{len(args.data)} --data file{'s' if len(args.data) > 1 else ''}")
+    counts = args.heldout + [0] * (len(args.data) - len(args.heldout))   # files past the counts hold none out
     sequences, meta = load_sequences(Path(args.data[0]))
-    training, heldout, heldout_indices = heldout_split(sequences, meta, args.heldout, str(args.data[0]))
-    # The files after the first train whole, except any answer to a held-out prompt (same prompt ids).
-    held_prompts, more_data = {tuple(q.ids[:q.prompt_len].tolist()) for q in heldout}, []
-    for path in args.data[1:]:
+    training, heldout, heldout_indices = heldout_split(sequences, meta, counts[0], str(args.data[0]))
+    loaded, more_heldout, more_indices = [], {}, {}
+    for path, count in zip(args.data[1:], counts[1:]):   # each later file's own held-out answers
         extra, extra_meta = load_sequences(Path(path))
+        if count:
+            _, more_heldout[path], more_indices[path] = heldout_split(extra, extra_meta, count, path)
+        loaded.append((path, extra, extra_meta))
+    # The files after the first train whole, except any answer to a held-out prompt of any file (same prompt ids).
+    held_prompts = {tuple(q.ids[:q.prompt_len].tolist()) for q in heldout + sum(more_heldout.values(), [])}
+    training = [q for q in training if tuple(q.ids[:q.prompt_len].tolist()) not in held_prompts]
+    more_data = []
+    for path, extra, extra_meta in loaded:
         kept = [q for q in extra if tuple(q.ids[:q.prompt_len].tolist()) not in held_prompts]
         if len(kept) < len(extra):
             print(f"--data {path}: left out {len(extra) - len(kept)} of its answers, whose prompts are held out",
@@ -1210,19 +1233,26 @@ def cmd_train(args):
     layer_ids = raw["dflash_config"]["target_layer_ids"]
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, {args.layers} layers, "
           f"block {args.block_size}, mask id {drafter.config.mask_token_id}, target layers {layer_ids}; "
-          f"{len(training)} training sequences, {len(heldout)} held out", file=sys.stderr)
+          f"{len(training)} training sequences, {len(heldout)} held out"
+          + "".join(f", {len(held)} from {path}" for path, held in more_heldout.items()), file=sys.stderr)
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
                       cache_tokens=args.cache_tokens, pad_shapes=tuple(args.pad_shapes), compile=args.compile,
                       seed=args.seed)
     at_init = None   # the checkpoint's held-out τ before this phase: where its line starts
-    if args.init and heldout:
-        tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=args.batch_size)
-        at_init = {"heldout_tau": tau, "heldout_acceptance": acceptance}
-        print(f"--init {args.init}: held-out τ {tau:.2f} before training", file=sys.stderr)
+    if args.init and (heldout or more_heldout):
+        at_init = {}
+        if heldout:
+            tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=args.batch_size)
+            at_init = {"heldout_tau": tau, "heldout_acceptance": acceptance}
+        if more_heldout:
+            at_init["heldout_more"] = heldout_estimates(target, drafter, more_heldout, args.batch_size)
+        estimates = [f"{at_init['heldout_tau']:.2f}"] * bool(heldout) + [
+            f"{e['tau']:.2f} on {path}" for path, e in at_init.get("heldout_more", {}).items()]
+        print(f"--init {args.init}: held-out τ {', '.join(estimates)} before training", file=sys.stderr)
     t0 = time.perf_counter()
-    history = train(target, drafter, training, heldout, cfg)
+    history = train(target, drafter, training, heldout, cfg, more_heldout=more_heldout)
     seconds = time.perf_counter() - t0
     if not history:   # Ctrl-C before the first step
         raise KeyboardInterrupt
@@ -1233,11 +1263,14 @@ def cmd_train(args):
            "seconds": seconds, "data": {k: v for k, v in meta.items() if k not in ("prompt_indices", "temperatures")}
            | {"sequences": len(sequences), "training_sequences": len(training),
               "response_tokens": sum(len(q.ids) - q.prompt_len for q in training), "more_data": more_data},
-           "heldout_sharegpt_indices": heldout_indices, "at_init": at_init, "history": history}
+           "heldout_sharegpt_indices": heldout_indices, "heldout_more_indices": more_indices, "at_init": at_init,
+           "history": history}
     (out / "training.json").write_text(json.dumps(log, indent=1))
-    last = next((h for h in reversed(history) if "heldout_tau" in h), None)
+    last = next((h for h in reversed(history) if "heldout_tau" in h or "heldout_more" in h), {})
     print(f"trained {len(history)} steps in {seconds:.0f}s, final loss {history[-1]['loss']:.3f}"
-          + (f", held-out τ {last['heldout_tau']:.2f}" if last else "") + f" -> {out}", file=sys.stderr)
+          + (f", held-out τ {last['heldout_tau']:.2f}" if "heldout_tau" in last else "")
+          + "".join(f", {e['tau']:.2f} on {path}" for path, e in last.get("heldout_more", {}).items())
+          + f" -> {out}", file=sys.stderr)
     if history[-1].get("interrupted"):
         raise SystemExit(130)
 
@@ -1313,9 +1346,10 @@ def parse_args(argv=None):
     s.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
     s.add_argument("--weight-decay", type=float, default=0.0)
     s.add_argument("--gamma", type=float, help="loss decay γ (default 7 for B=16, 5 for B=10, 4 for B=8, else B/2)")
-    s.add_argument("--heldout", type=int, default=32,
-                   help="greedy answers to the last prompts of the first --data file held out for the τ estimate "
-                        "(with every other answer to those prompts)")
+    s.add_argument("--heldout", type=int, nargs="+", default=[32],
+                   help="greedy answers to the last prompts of each --data file held out for the τ estimate, one "
+                        "count per file in order (files past the counts hold none out), with every other answer "
+                        "to those prompts; the first file's τ is the history's heldout_tau, the others' heldout_more")
     s.add_argument("--eval-every", type=int, default=100, help="steps between held-out τ estimates")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="default cuda if available, else cpu")
