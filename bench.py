@@ -163,7 +163,7 @@ def layer_profile(run, steps=20) -> dict:
     call, their names, the kernel time and the replay time (CUDA events, median of 50)."""
     from collections import Counter
     from torch.profiler import ProfilerActivity, profile
-    compiled = torch.compile(run, fullgraph=True)
+    compiled = torch.compile(run, fullgraph=True, dynamic=False)   # static shapes, as the Decoder's graphs
     for _ in range(3):
         compiled()
     torch.cuda.synchronize()

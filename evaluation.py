@@ -136,7 +136,8 @@ def phase_points(logs: dict[str, dict]) -> dict[str, list[tuple[int, float]]]:
     points, start = {}, 0
     for name, log in logs.items():
         seen = blocks_seen(log)
-        points[name] = [(start, log["at_init"]["heldout_tau"])] if log.get("at_init") else []
+        at_init = log.get("at_init") or {}   # a phase whose first file held none out has no heldout_tau
+        points[name] = [(start, at_init["heldout_tau"])] if "heldout_tau" in at_init else []
         points[name] += [(start + seen[i], h["heldout_tau"]) for i, h in enumerate(log["history"]) if "heldout_tau" in h]
         start += seen[-1]
     return points

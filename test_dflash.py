@@ -1035,6 +1035,7 @@ BAD_FLAGS = {
     "train --heldout 99": ("train.py", TRAIN + ["--heldout", "99"],
                            "--heldout = 99 must be in 0..23 ({data} has 24 greedy answers)"),
     "train --heldout 4 4": ("train.py", TRAIN + ["--heldout", "4", "4"], "--heldout has 2 counts for 1 --data file"),
+    "train --heldout -1": ("train.py", TRAIN + ["--heldout", "-1"], "--heldout = -1: counts must be ≥ 0"),
     "train --block-size 1": ("train.py", TRAIN + ["--block-size", "1"],
                              "--block-size = 1 must be at least 2 (the bonus and one draft)"),
     "train --layers 0": ("train.py", TRAIN + ["--layers", "0"], "--layers = 0 must be at least 1"),
@@ -2284,6 +2285,8 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     # its held-out sequences[4] and sequences[22] (held out by data.pt as well)
     assert f"23 training sequences, 4 held out, 2 from {code}" in result.stderr
     assert f"--data {code}: left out 2 of its answers, whose prompts are held out" in result.stderr
+    assert f"--data {tmp_path / 'data.pt'}: left out 1 more of its answers, whose prompts a later file holds out" \
+        in result.stderr
     log = json.loads((tmp_path / "d" / "training.json").read_text())
     assert len(log["history"]) == 3 and log["heldout_sharegpt_indices"] == list(range(20, 24))
     assert log["heldout_more_indices"] == {code: [4, 5]}
@@ -2303,6 +2306,16 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     # d2 starts from d, saved in float32: before training it walks the held-out answers as d did last
     assert at_init["heldout_tau"] == pytest.approx(log["history"][-1]["heldout_tau"], rel=1e-6)
     assert len(at_init["heldout_acceptance"]) == 3
+    # only the second file holds out: its τ alone, before and after, and no heldout_tau
+    only = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), code, "--out",
+                         str(tmp_path / "d3"), "--init", str(tmp_path / "d"), "--max-steps", "1", "--heldout", "0", "2",
+                         "--device", "cpu", "--save-dtype", "float32")
+    assert only.returncode == 0, only.stderr
+    log3 = json.loads((tmp_path / "d3" / "training.json").read_text())
+    assert "heldout_tau" not in log3["at_init"] and "heldout_tau" not in log3["history"][-1]
+    assert log3["at_init"]["heldout_more"][code]["tau"] == pytest.approx(last["tau"], rel=1e-6)
+    assert f"held-out τ {log3['at_init']['heldout_more'][code]['tau']:.2f} on {code} before training" in only.stderr
+    assert f"held-out τ {log3['history'][-1]['heldout_more'][code]['tau']:.2f} on {code} -> " in only.stderr
 
 
 

@@ -1179,6 +1179,12 @@ def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str
     return training, [sequences[k] for k in held], [indices[k] for k in held]
 
 
+def named_estimates(entry: dict) -> str:
+    """The held-out τ of a history entry or `at_init`: the first file's bare, the others' by file."""
+    first = [f"{entry['heldout_tau']:.2f}"] if "heldout_tau" in entry else []
+    return ", ".join(first + [f"{e['tau']:.2f} on {path}" for path, e in entry.get("heldout_more", {}).items()])
+
+
 def cmd_train(args):
     require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens")
     dflash.require(min(args.pad_shapes) >= 1, f"--pad-shapes = {' '.join(map(str, args.pad_shapes))} must be ≥ 1")
@@ -1188,11 +1194,12 @@ def cmd_train(args):
     dflash.require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
     missing = [path for path in args.data if not Path(path).is_file()]
     dflash.require(not missing, f"--data: no such file: {', '.join(missing)}")
+    dflash.require(len(args.heldout) <= len(args.data), f"--heldout has {len(args.heldout)} counts for "
+                   f"{len(args.data)} --data file{'s' if len(args.data) > 1 else ''}")
+    dflash.require(min(args.heldout) >= 0, f"--heldout = {' '.join(map(str, args.heldout))}: counts must be ≥ 0")
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target = dflash.load_target(args.target, dtype, device)
-    dflash.require(len(args.heldout) <= len(args.data), f"--heldout has {len(args.heldout)} counts for "
-                   f"{len(args.data)} --data file{'s' if len(args.data) > 1 else ''}")
     counts = args.heldout + [0] * (len(args.data) - len(args.heldout))   # files past the counts hold none out
     sequences, meta = load_sequences(Path(args.data[0]))
     training, heldout, heldout_indices = heldout_split(sequences, meta, counts[0], str(args.data[0]))
@@ -1204,7 +1211,11 @@ def cmd_train(args):
         loaded.append((path, extra, extra_meta))
     # The files after the first train whole, except any answer to a held-out prompt of any file (same prompt ids).
     held_prompts = {tuple(q.ids[:q.prompt_len].tolist()) for q in heldout + sum(more_heldout.values(), [])}
-    training = [q for q in training if tuple(q.ids[:q.prompt_len].tolist()) not in held_prompts]
+    kept = [q for q in training if tuple(q.ids[:q.prompt_len].tolist()) not in held_prompts]
+    if len(kept) < len(training):
+        print(f"--data {args.data[0]}: left out {len(training) - len(kept)} more of its answers, whose prompts a "
+              f"later file holds out", file=sys.stderr)
+    training = kept
     more_data = []
     for path, extra, extra_meta in loaded:
         kept = [q for q in extra if tuple(q.ids[:q.prompt_len].tolist()) not in held_prompts]
@@ -1248,9 +1259,7 @@ def cmd_train(args):
             at_init = {"heldout_tau": tau, "heldout_acceptance": acceptance}
         if more_heldout:
             at_init["heldout_more"] = heldout_estimates(target, drafter, more_heldout, args.batch_size)
-        estimates = [f"{at_init['heldout_tau']:.2f}"] * bool(heldout) + [
-            f"{e['tau']:.2f} on {path}" for path, e in at_init.get("heldout_more", {}).items()]
-        print(f"--init {args.init}: held-out τ {', '.join(estimates)} before training", file=sys.stderr)
+        print(f"--init {args.init}: held-out τ {named_estimates(at_init)} before training", file=sys.stderr)
     t0 = time.perf_counter()
     history = train(target, drafter, training, heldout, cfg, more_heldout=more_heldout)
     seconds = time.perf_counter() - t0
@@ -1266,11 +1275,9 @@ def cmd_train(args):
            "heldout_sharegpt_indices": heldout_indices, "heldout_more_indices": more_indices, "at_init": at_init,
            "history": history}
     (out / "training.json").write_text(json.dumps(log, indent=1))
-    last = next((h for h in reversed(history) if "heldout_tau" in h or "heldout_more" in h), {})
+    last = next((h for h in reversed(history) if "heldout_tau" in h or "heldout_more" in h), None)
     print(f"trained {len(history)} steps in {seconds:.0f}s, final loss {history[-1]['loss']:.3f}"
-          + (f", held-out τ {last['heldout_tau']:.2f}" if "heldout_tau" in last else "")
-          + "".join(f", {e['tau']:.2f} on {path}" for path, e in last.get("heldout_more", {}).items())
-          + f" -> {out}", file=sys.stderr)
+          + (f", held-out τ {named_estimates(last)}" if last else "") + f" -> {out}", file=sys.stderr)
     if history[-1].get("interrupted"):
         raise SystemExit(130)
 
