@@ -300,9 +300,9 @@ def main():
                 layers.update(layer_profiles(dec, context))
             save()
             print("\nper layer (compiled and captured alone):")
-            for what, p in layers.items():
-                print(f"  {what:<26}{p['kernels']:5.0f} kernels {p['kernel_us']:8.1f} us kernel time "
-                      f"{p['replay_us']:8.1f} us replay")
+            for what, found in layers.items():
+                print(f"  {what:<26}{found['kernels']:5.0f} kernels {found['kernel_us']:8.1f} us kernel time "
+                      f"{found['replay_us']:8.1f} us replay")
     if "dflash-ref" not in skip:
         times, gen = round_times(dflash.generate, target, drafter, prompt, 32)
         add("dflash-ref step", statistics.median(times[4:]) * 1e3, gen.tau, floor_step, speculative=True)

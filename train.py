@@ -766,13 +766,18 @@ def estimate_acceptance(target, drafter: Drafter, sequences: list[Sequence], bat
     return tau, [sum(L > k for L in accepted) / len(accepted) for k in range(K)]
 
 
-def heldout_estimates(target, drafter: Drafter, sets: dict[str, list[Sequence]], batch_size=4) -> dict:
-    """`estimate_acceptance` of each named held-out set -> {name: {"tau": τ, "acceptance": per position}}."""
-    estimates = {}
-    for name, sequences in sets.items():
+def heldout_entry(target, drafter: Drafter, heldout: list[Sequence], more_heldout: dict[str, list[Sequence]] | None,
+                  batch_size=4) -> dict:
+    """The held-out estimates of a history entry or `at_init` (`estimate_acceptance`): the first set's as
+    heldout_tau and heldout_acceptance, each named set of `more_heldout` under heldout_more."""
+    entry = {}
+    if heldout:
+        tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=batch_size)
+        entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
+    for name, sequences in (more_heldout or {}).items():
         tau, acceptance = estimate_acceptance(target, drafter, sequences, batch_size=batch_size)
-        estimates[name] = {"tau": tau, "acceptance": acceptance}
-    return estimates
+        entry.setdefault("heldout_more", {})[name] = {"tau": tau, "acceptance": acceptance}
+    return entry
 
 
 def autocast(device):
@@ -925,12 +930,9 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                               "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
                     if (heldout or more_heldout) and (step % cfg.eval_every == 0 or step == plan["total"]):
                         drafter.eval()
-                        if heldout:
-                            tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=cfg.batch_size)
-                            entry |= {"heldout_tau": tau, "heldout_acceptance": acceptance}
-                        if more_heldout:
-                            entry["heldout_more"] = heldout_estimates(target, drafter, more_heldout, cfg.batch_size)
+                        entry |= heldout_entry(target, drafter, heldout, more_heldout, cfg.batch_size)
                         drafter.train()
+                        tau = entry.get("heldout_tau", tau)
                     history.append(entry)
                     if cfg.time_budget and refit_now(step):
                         fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, overhead)
@@ -1179,6 +1181,11 @@ def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str
     return training, [sequences[k] for k in held], [indices[k] for k in held]
 
 
+def prompt_of(sequence: Sequence) -> tuple[int, ...]:
+    """A sequence's prompt ids as a key: every answer to one prompt has the same."""
+    return tuple(sequence.ids[:sequence.prompt_len].tolist())
+
+
 def named_estimates(entry: dict) -> str:
     """The held-out τ of a history entry or `at_init`: the first file's bare, the others' by file."""
     first = [f"{entry['heldout_tau']:.2f}"] if "heldout_tau" in entry else []
@@ -1210,15 +1217,15 @@ def cmd_train(args):
             _, more_heldout[path], more_indices[path] = heldout_split(extra, extra_meta, count, path)
         loaded.append((path, extra, extra_meta))
     # The files after the first train whole, except any answer to a held-out prompt of any file (same prompt ids).
-    held_prompts = {tuple(q.ids[:q.prompt_len].tolist()) for q in heldout + sum(more_heldout.values(), [])}
-    kept = [q for q in training if tuple(q.ids[:q.prompt_len].tolist()) not in held_prompts]
+    held_prompts = {prompt_of(q) for q in heldout + sum(more_heldout.values(), [])}
+    kept = [q for q in training if prompt_of(q) not in held_prompts]
     if len(kept) < len(training):
         print(f"--data {args.data[0]}: left out {len(training) - len(kept)} more of its answers, whose prompts a "
               f"later file holds out", file=sys.stderr)
     training = kept
     more_data = []
     for path, extra, extra_meta in loaded:
-        kept = [q for q in extra if tuple(q.ids[:q.prompt_len].tolist()) not in held_prompts]
+        kept = [q for q in extra if prompt_of(q) not in held_prompts]
         if len(kept) < len(extra):
             print(f"--data {path}: left out {len(extra) - len(kept)} of its answers, whose prompts are held out",
                   file=sys.stderr)
@@ -1253,12 +1260,7 @@ def cmd_train(args):
                       seed=args.seed)
     at_init = None   # the checkpoint's held-out τ before this phase: where its line starts
     if args.init and (heldout or more_heldout):
-        at_init = {}
-        if heldout:
-            tau, acceptance = estimate_acceptance(target, drafter, heldout, batch_size=args.batch_size)
-            at_init = {"heldout_tau": tau, "heldout_acceptance": acceptance}
-        if more_heldout:
-            at_init["heldout_more"] = heldout_estimates(target, drafter, more_heldout, args.batch_size)
+        at_init = heldout_entry(target, drafter, heldout, more_heldout, args.batch_size)
         print(f"--init {args.init}: held-out τ {named_estimates(at_init)} before training", file=sys.stderr)
     t0 = time.perf_counter()
     history = train(target, drafter, training, heldout, cfg, more_heldout=more_heldout)
