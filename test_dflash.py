@@ -2070,6 +2070,65 @@ def test_code_prompts_are_stdlib_stubs_without_the_evaluation_sets(tmp_path):
         assert train.code_prompts(Tok(), 6, functions, set(), set())[1] == [0, 2]   # volume's prompt is 9 lines
 
 
+def test_self_prompts_keep_only_ended_new_turns_far_from_the_evaluation_sets():
+    """`prompts --source self` keeps a sampled user turn only if it ended with a stop token, is not empty
+    or a repeat (case and spacing folded), shares no 8 words in a row with an evaluation prompt,
+    defines no HumanEval function and fits; it samples from the template's user prefix, round by
+    round with the seed moving on, until it has enough, and reports what it left out and why."""
+    class Tok:   # one id per character; the template is S|U:<text>$ and then A: for the answer
+        chat_template = "x"
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, **kwargs):
+            return "S|U:" + messages[0]["content"] + "$" + ("A:" if add_generation_prompt else "")
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+    evaluation = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting culture."
+    turns = ["Plan a trip$", " plan a  TRIP$", " $", "no stop token",
+             "Compose an engaging travel blog post about a recent trip to Mars.$",
+             "Fix def has_close_elements(xs): pass$", "x" * 60 + "$", "Sum a list$",
+             "A$", "B$", "C$", "D$"]
+    calls = []
+    class Decoder:
+        def generate(self, prompts, max_new_tokens, stop_ids, temperature, seed):
+            calls.append((prompts, max_new_tokens, stop_ids, temperature, seed))
+            return [Tok().encode(t) for t in turns[4 * (len(calls) - 1):4 * len(calls)]]
+    prompts, indices, report = train.self_prompts(Decoder(), Tok(), 4, 60, 0.9, 10, {ord("$")}, [evaluation],
+                                                  {"has_close_elements"}, round_size=4)
+    assert prompts == ["Plan a trip", "Sum a list", "A", "B"] and indices == [0, 7, 8, 9]
+    assert report == {"sampled": 12, "left_out": {"no end": 1, "empty": 1, "repeated": 1,
+                                                  "near an evaluation prompt": 1, "defines a HumanEval name": 1,
+                                                  "too long": 1}}
+    prefix, room = Tok().encode("S|U:"), 60 - len("S|U:$A:")
+    assert calls == [([prefix] * 4, room, {ord("$")}, 0.9, seed) for seed in (10, 11, 12)]
+    calls.clear()   # an evaluation prompt of fewer than 8 words is left out where it matches exactly
+    assert train.self_prompts(Decoder(), Tok(), 1, 60, 0.9, 0, {ord("$")}, ["plan a trip"], set(), 4) == (
+        [], [], {"sampled": 4, "left_out": {"no end": 1, "empty": 1, "repeated": 0, "near an evaluation prompt": 2,
+                                             "defines a HumanEval name": 0, "too long": 0}})
+
+
+@pytest.mark.package
+def test_self_prompts_from_smollm2_are_its_own_user_turns(tmp_path):
+    """With the real target on CPU, `prompts --source self` samples user turns after SmolLM2's own
+    system turn and writes a prompt file that says how many it sampled and what it left out."""
+    target_dir = offline.ensure_smollm2()
+    tokenizer = offline.load_tokenizer(str(target_dir))
+    prefix = tokenizer.decode(train.user_prefix(tokenizer))
+    assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_start|>user\n")
+    assert train.encode_chat(tokenizer, "Hi")[:len(train.user_prefix(tokenizer))] == train.user_prefix(tokenizer)
+    result = run_train_cli("prompts", "--source", "self", "--target", str(target_dir), "--out",
+                           str(tmp_path / "self.json.xz"), "--num-prompts", "3", "--batch-size", "4",
+                           "--max-prompt-tokens", "96", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    prompts, indices, meta = train.read_prompt_file(tmp_path / "self.json.xz")
+    assert len(prompts) == 3 and len(set(indices)) == 3 and all(p.strip() == p and p for p in prompts)
+    sampling = meta["sampling"]
+    assert sampling["sampled"] >= 3 + sum(sampling["left_out"].values()) and max(indices) < sampling["sampled"]
+    assert f"sampled {sampling['sampled']} turns for 3 prompts" in result.stderr
+    assert not {train.normalized(p) for p in prompts} & train.evaluation_prompts()
+    assert all(len(train.encode_chat(tokenizer, p)) <= 96 for p in prompts)
+
+
 @pytest.mark.package
 def test_code_prompts_from_this_stdlib_leave_out_humaneval():
     """The standard library's stubs, as `train.py prompts --source stdlib` makes them, share no prompt

