@@ -27,7 +27,8 @@ distill() {   # name, budget, args...
 }
 distill code 30 --prompts $STASH/code-prompts.json.xz --out $STASH/code.pt --num-prompts 4790 --temperatures 0 0.8 --seed 31 --batches-per-save 2
 distill self 180 --prompts $STASH/self-prompts.json.xz --out $STASH/self.pt --num-prompts 50000 --temperatures 0 0.8 --seed 42 --batches-per-save 8
-distill chat $(( ${C2_END:-470} - $(el) - 40 )) --prompts $STASH/prompts.json.xz --out $STASH/chat.pt --num-prompts 49918 --temperatures 0 --seed 32 --batches-per-save 8
+CB=$(( ${C2_END:-470} - $(el) - 40 )); [ $CB -ge 30 ] || CB=30   # at least two chunks: a held-out set and some data
+distill chat $CB --prompts $STASH/prompts.json.xz --out $STASH/chat.pt --num-prompts 49918 --temperatures 0 --seed 32 --batches-per-save 8
 ls -la $STASH/*.pt
 cp $STASH/self-prompts.json.xz $STASH/prompts-self.log $OUT/
 echo "done at $(el)s"
