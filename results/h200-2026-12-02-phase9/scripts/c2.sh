@@ -26,7 +26,7 @@ distill() {   # name, budget, args...
   grep "answer/s\]$" $STASH/distill-$name.log | tail -n 1
 }
 distill code 30 --prompts $STASH/code-prompts.json.xz --out $STASH/code.pt --num-prompts 4790 --temperatures 0 0.8 --seed 31 --batches-per-save 2
-distill self 180 --prompts $STASH/self-prompts.json.xz --out $STASH/self.pt --num-prompts 50000 --temperatures 0 0.8 --seed 42 --batches-per-save 8
+distill self ${SELF_BUDGET:-180} --prompts $STASH/self-prompts.json.xz --out $STASH/self.pt --num-prompts 50000 --temperatures 0 0.8 --seed 42 --batches-per-save 8
 CB=$(( ${C2_END:-470} - $(el) - 40 )); [ $CB -ge 30 ] || CB=30   # at least two chunks: a held-out set and some data
 distill chat $CB --prompts $STASH/prompts.json.xz --out $STASH/chat.pt --num-prompts 49918 --temperatures 0 --seed 32 --batches-per-save 8
 ls -la $STASH/*.pt
