@@ -2568,9 +2568,9 @@ def test_shipped_drafter_is_lossless_and_drafts_usefully():
     ids = train.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
     gen = dflash.generate(target, drafter, ids, 64, stop_ids=stops)
     assert_same_tokens(gen.tokens, dflash.generate(target, None, ids, 64, stop_ids=stops).tokens)
-    # observed 3.15 with phase 8a (7a: 2.74, 6c: 2.86, phase 5: 2.17), which is 20 rounds: one round more
-    # reads 3.0; an untrained drafter gives about 1.0.
-    assert gen.tau >= 3.0, gen.tau
+    # observed 3.32 with phase 9a (8a: 3.15, 7a: 2.74, 6c: 2.86, phase 5: 2.17), which is 19 rounds: one
+    # round more reads 3.15; an untrained drafter gives about 1.0.
+    assert gen.tau >= 3.15, gen.tau
 
 
 @pytest.mark.package
@@ -2584,7 +2584,7 @@ def test_cli_default_runs_the_shipped_pair():
     assert alone.returncode == 0, alone.stderr
     spec, alone = json.loads(spec.stdout), json.loads(alone.stdout)
     assert spec["tokens"] == alone["tokens"] and spec["text"].strip()
-    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.92 (phase 7a: 1.77, 6c: 1.64, phase 5: 1.53)
+    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.92 (phase 9a and 8a; 7a: 1.77, 6c: 1.64, phase 5: 1.53)
     assert max(len(r["draft"]) for r in spec["rounds"]) == dflash.CPU_NUM_DRAFTS == 7   # the CPU default K
 
 
