@@ -1036,6 +1036,7 @@ BAD_FLAGS = {
                            "--heldout = 99 must be in 0..23 ({data} has 24 greedy answers)"),
     "train --heldout 4 4": ("train.py", TRAIN + ["--heldout", "4", "4"], "--heldout has 2 counts for 1 --data file"),
     "train --heldout -1": ("train.py", TRAIN + ["--heldout", "-1"], "--heldout = -1: counts must be ≥ 0"),
+    "train --heldout-tokens 0": ("train.py", TRAIN + ["--heldout-tokens", "0"], "--heldout-tokens = 0 must be at least 1"),
     "train --block-size 1": ("train.py", TRAIN + ["--block-size", "1"],
                              "--block-size = 1 must be at least 2 (the bonus and one draft)"),
     "train --layers 0": ("train.py", TRAIN + ["--layers", "0"], "--layers = 0 must be at least 1"),
@@ -2157,6 +2158,15 @@ def test_heldout_split_keeps_every_answer_to_a_heldout_prompt_out_of_training():
         train.heldout_split(seqs, meta, 3)
 
 
+def test_heldout_tokens_cut_each_answer_after_its_prompt():
+    """`--heldout-tokens N` walks each held-out answer's first N response tokens: the prompt stays
+    whole, a shorter answer stays as it is."""
+    seqs = [train.Sequence(torch.arange(10), 3), train.Sequence(torch.arange(5), 4)]
+    cut = train.first_response_tokens(seqs, 4)
+    assert [q.ids.tolist() for q in cut] == [list(range(7)), list(range(5))]
+    assert [q.prompt_len for q in cut] == [3, 4]
+
+
 def test_prompt_file_round_trips_and_a_bad_one_is_named(tmp_path):
     train.write_prompt_file(tmp_path / "p.json.xz", ["a", "b"], [3, 7], {"max_prompt_tokens": 256})
     assert train.read_prompt_file(tmp_path / "p.json.xz") == (["a", "b"], [3, 7], {"max_prompt_tokens": 256})
@@ -2375,6 +2385,19 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     assert log3["at_init"]["heldout_more"][code]["tau"] == pytest.approx(last["tau"], rel=1e-6)
     assert f"held-out τ {log3['at_init']['heldout_more'][code]['tau']:.2f} on {code} before training" in only.stderr
     assert f"held-out τ {log3['history'][-1]['heldout_more'][code]['tau']:.2f} on {code} -> " in only.stderr
+    # --heldout-tokens 6: the held-out answers are walked over their first 6 response tokens only
+    cut = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out",
+                        str(tmp_path / "d4"), "--init", str(tmp_path / "d"), "--max-steps", "1", "--heldout", "4",
+                        "--heldout-tokens", "6", "--device", "cpu", "--save-dtype", "float32")
+    assert cut.returncode == 0, cut.stderr
+    d = dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
+    want, _ = train.estimate_acceptance(target, d, train.first_response_tokens(sequences[20:24], 6))
+    log4 = json.loads((tmp_path / "d4" / "training.json").read_text())
+    assert log4["at_init"]["heldout_tau"] == pytest.approx(want, rel=1e-6)
+    data = str(tmp_path / "data.pt")
+    full = sum(len(q.ids) - q.prompt_len for q in sequences[20:24])
+    assert json.loads((tmp_path / "d2" / "training.json").read_text())["heldout_response_tokens"] == {data: full}
+    assert log4["heldout_response_tokens"] == {data: 4 * 6} and full > 4 * 6
 
 
 

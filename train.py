@@ -1264,6 +1264,12 @@ def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str
     return training, [sequences[k] for k in held], [indices[k] for k in held]
 
 
+def first_response_tokens(sequences: list[Sequence], count: int) -> list[Sequence]:
+    """Each sequence cut to its prompt and the first `count` tokens of its response: held-out answers
+    as long as an evaluation's answers (the later part of a long answer drafts more easily)."""
+    return [Sequence(q.ids[:q.prompt_len + count], q.prompt_len) for q in sequences]
+
+
 def prompt_of(sequence: Sequence) -> tuple[int, ...]:
     """A sequence's prompt ids as a key: every answer to one prompt has the same."""
     return tuple(sequence.ids[:sequence.prompt_len].tolist())
@@ -1276,7 +1282,8 @@ def named_estimates(entry: dict) -> str:
 
 
 def cmd_train(args):
-    require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens")
+    require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens",
+                     "heldout_tokens")
     dflash.require(min(args.pad_shapes) >= 1, f"--pad-shapes = {' '.join(map(str, args.pad_shapes))} must be ≥ 1")
     dflash.require(args.lr > 0, f"--lr = {args.lr} must be positive")
     dflash.require(args.time_budget is None or args.time_budget > 0,
@@ -1301,6 +1308,9 @@ def cmd_train(args):
         loaded.append((path, extra, extra_meta))
     # The files after the first train whole, except any answer to a held-out prompt of any file (same prompt ids).
     held_prompts = {prompt_of(q) for q in heldout + sum(more_heldout.values(), [])}
+    if args.heldout_tokens:
+        heldout = first_response_tokens(heldout, args.heldout_tokens)
+        more_heldout = {path: first_response_tokens(held, args.heldout_tokens) for path, held in more_heldout.items()}
     kept = [q for q in training if prompt_of(q) not in held_prompts]
     if len(kept) < len(training):
         print(f"--data {args.data[0]}: left out {len(training) - len(kept)} more of its answers, whose prompts a "
@@ -1357,7 +1367,10 @@ def cmd_train(args):
            "seconds": seconds, "data": {k: v for k, v in meta.items() if k not in ("prompt_indices", "temperatures")}
            | {"sequences": len(sequences), "training_sequences": len(training),
               "response_tokens": sum(len(q.ids) - q.prompt_len for q in training), "more_data": more_data},
-           "heldout_sharegpt_indices": heldout_indices, "heldout_more_indices": more_indices, "at_init": at_init,
+           "heldout_sharegpt_indices": heldout_indices, "heldout_more_indices": more_indices,
+           "heldout_response_tokens": {path: sum(len(q.ids) - q.prompt_len for q in held) for path, held in
+                                       [(args.data[0], heldout)] + list(more_heldout.items())},
+           "at_init": at_init,
            "history": history}
     (out / "training.json").write_text(json.dumps(log, indent=1))
     last = next((h for h in reversed(history) if "heldout_tau" in h or "heldout_more" in h), None)
@@ -1450,6 +1463,8 @@ def parse_args(argv=None):
                    help="greedy answers to the last prompts of each --data file held out for the τ estimate, one "
                         "count per file in order (files past the counts hold none out), with every other answer "
                         "to those prompts; the first file's τ is the history's heldout_tau, the others' heldout_more")
+    s.add_argument("--heldout-tokens", type=int, help="walk only the first N response tokens of each held-out "
+                   "answer, e.g. an evaluation's cap of 256 (default: the whole answers)")
     s.add_argument("--eval-every", type=int, default=100, help="steps between held-out τ estimates")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", help="default cuda if available, else cpu")
