@@ -10,6 +10,7 @@ evaluation.py measures the result.
 
     $ python train.py prepare-target
     $ python train.py prompts --target DIR --out .data/prompts.json.xz
+    $ python train.py prompts --source self --target DIR --out .data/self-prompts.json.xz   # turns it writes itself
     $ python train.py distill --target DIR --prompts .data/prompts.json.xz --out .data/sharegpt.pt --num-prompts 2000
     $ python train.py train --target DIR --data .data/sharegpt.pt --out drafter --block-size 16 --layers 3
 
@@ -1108,8 +1109,8 @@ def self_prompts(decoder: BatchDecoder, tokenizer, count: int, max_tokens: int, 
 
 
 def write_prompt_file(path: Path, prompts: list[str], indices: list[int], meta: dict):
-    """Prompts with their ShareGPT indices as xz-compressed JSON: the training prompts travel as
-    a few MB where the data set is 125 MB."""
+    """Prompts with their indices in their source (ShareGPT's list, the stubs, the order sampled) as
+    xz-compressed JSON: the training prompts travel as a few MB where the data set is 125 MB."""
     import lzma
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
