@@ -2572,6 +2572,22 @@ def test_no_evaluation_prompt_is_in_the_training_prompts(monkeypatch):
 
 
 @pytest.mark.package
+def test_phase_9_self_written_prompts_leave_out_the_evaluation_sets():
+    """The 50,000 turns SmolLM2 wrote itself for phase 9 (the committed prompt file) hold no MT-Bench or
+    HumanEval prompt, share no 8 words in a row with one, and define no HumanEval function."""
+    prompts, indices, meta = train.read_prompt_file(
+        HERE / "results" / "h200-2026-12-02-phase9" / "logs" / "self-prompts.json.xz")
+    assert len(prompts) == len(set(map(train.normalized, prompts))) == 50_000
+    assert meta["sampling"]["sampled"] == 65_536 and meta["sampling"]["left_out"]["near an evaluation prompt"] == 9
+    evaluation = offline.read_mtbench() + offline.read_humaneval()
+    banned = set().union(*map(train.shingles, evaluation))
+    names = set().union(*map(train.defined_names, offline.read_humaneval()))
+    assert not {train.normalized(p) for p in prompts} & train.evaluation_prompts()
+    assert not any(train.shingles(p) & banned for p in prompts)
+    assert not any(train.defined_names(p) & names for p in prompts)
+
+
+@pytest.mark.package
 def test_eval_sets_have_their_published_sizes():
     """MT-Bench has its 80 questions and HumanEval its 164 stubs, each asked as one chat message."""
     mtbench, humaneval = offline.read_mtbench(), offline.read_humaneval()
