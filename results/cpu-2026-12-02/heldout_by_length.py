@@ -30,8 +30,7 @@ for name, prompts in sets.items():
     sequences = train.distill(target, tokenizer, prompts, 512, 24, decoder=decoder)
     row = {"prompts": len(prompts), "mean_response_tokens": sum(len(s.ids) - s.prompt_len for s in sequences) / len(sequences)}
     for cap in (512, 256):
-        cut = [train.Sequence(s.ids[:s.prompt_len + cap], s.prompt_len) for s in sequences]
-        tau, acceptance = train.estimate_acceptance(target, drafter, cut)
+        tau, acceptance = train.estimate_acceptance(target, drafter, train.first_response_tokens(sequences, cap))
         row[f"tau_first_{cap}"] = tau
         row[f"acceptance_first_{cap}"] = acceptance[:5]
     row["seconds"] = time.perf_counter() - t0
