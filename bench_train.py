@@ -13,8 +13,9 @@ one run, after warm-up:
             target pass per step); the head's cross-entropy chunked through the frozen head
             (train.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
             cross-entropy where it is installed; attention groups of 1 block (a context copy per
-            block), the default 8 and 16 blocks (train.packed_forward); eager or with the drafter
-            compiled (train.py --compile), unrounded or with shapes rounded up (--pad-shapes 64 512).
+            block), the default 8 and 16 blocks (train.packed_forward); eager or compiled as
+            train.py --compile compiles (the drafter's forward and the head's loss chunk), unrounded
+            or with shapes rounded up (--pad-shapes 64 512).
             Each step draws a random batch, and each run its own batches, so shapes rarely repeat,
             as in training. Median of the timed steps after 3 warm-up steps (their seconds, the
             compile included, are reported); blocks/s (real blocks only) and the achieved TFLOP/s
@@ -25,6 +26,7 @@ one run, after warm-up:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -139,6 +141,8 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
         if compiled:
             drafter.compile(dynamic=True)
         store, loss_fn = {"cached": cached, "live": live}[store_name], losses[loss_name]
+        if compiled and loss_name == "chunked":   # as train --compile: the head's loss chunk compiled too
+            loss_fn = functools.partial(train.block_loss, chunk_grad=torch.compile(train.head_chunk_grad, dynamic=True))
         # batches of their own for each run: shapes that an earlier run met are cheaper to meet again
         # (cuDNN plans, the allocator), and training rarely meets a shape twice
         g = torch.Generator().manual_seed(run)

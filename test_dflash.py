@@ -1915,6 +1915,54 @@ def test_frozen_head_cross_entropy_equals_full_logits():
     torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
+def head_chunk_cases(device, dtype, rows, vocab):
+    """Logits (rows, vocab) in `dtype`, labels and row weights, and the float64 chunk loss and gradient."""
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(rows, vocab, generator=g)).to(device, dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    w = torch.rand(rows, generator=g).to(device)
+    exact = logits.double().requires_grad_(True)
+    want = (w.double() * F.cross_entropy(exact, labels, reduction="none")).sum()
+    (want_grad,) = torch.autograd.grad(want, exact)
+    return logits, labels, w, want.detach(), want_grad
+
+
+def test_compiled_head_chunk_equals_eager_on_cpu():
+    """train --compile runs the head's loss chunk (head_chunk_grad) through inductor with dynamic rows:
+    on CPU in float32 it gives the eager loss and gradient to the logits within float32 rounding, for
+    two chunk lengths through one compile; both equal float64 autograd."""
+    torch._dynamo.reset()
+    compiled = torch.compile(train.head_chunk_grad, dynamic=True)
+    for rows in (37, 20):
+        logits, labels, w, want, want_grad = head_chunk_cases("cpu", torch.float32, rows, 1000)
+        eager_loss, eager_grad = train.head_chunk_grad(logits, labels, w)
+        loss, grad = compiled(logits, labels, w)
+        assert grad.dtype == torch.float32 and grad.shape == (rows, 1000)
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_head_chunk_on_cuda():
+    """The compiled head loss chunk on CUDA at SmolLM2's vocabulary, bf16 logits as training runs them
+    (a full chunk and a short last one): its error against float64 autograd stays within twice the eager
+    chunk's own error plus 1e-6 of the largest exact value, for the loss and the bf16 gradient to the logits."""
+    torch._dynamo.reset()
+    compiled = torch.compile(train.head_chunk_grad, dynamic=True)
+    for rows in (train.CE_CHUNK, 1000):
+        logits, labels, w, want, want_grad = head_chunk_cases("cuda", torch.bfloat16, rows, 49152)
+        eager_loss, eager_grad = train.head_chunk_grad(logits, labels, w)
+        loss, grad = compiled(logits, labels, w)
+        assert grad.dtype == torch.bfloat16
+        for got, ref in [(loss, eager_loss), (grad, eager_grad)]:
+            exact = want if got.dim() == 0 else want_grad
+            err, ref_err = ((t.double() - exact).abs().max().item() for t in (got, ref))
+            assert err <= 2 * ref_err + 1e-6 * max(1.0, exact.abs().max().item()), (rows, err, ref_err)
+
+
 def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):
     """Training on features captured once (whole set, or shards of a few sequences) gives the same
     loss, step by step, as running the frozen target on every step's batch (float64)."""

@@ -665,45 +665,55 @@ def position_weights(block_size: int, gamma: float, device=None):
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
 
 
+def head_chunk_grad(logits, labels, row_weights):
+    """One chunk of FrozenHeadCrossEntropy: logits (c, V) in the head's dtype, labels (c,), row weights
+    (c,) -> Σ w · CE and its gradient to the logits, w · (softmax − onehot), in the head's dtype, with
+    the softmax in float32 (float64 for a float64 head). Pointwise but for the softmax's row sums, so
+    that compiled (`train --compile`) it is a few fused passes over the logits rather than one per op."""
+    exact = torch.promote_types(logits.dtype, torch.float32)
+    log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
+    loss = -(row_weights * log_p.gather(1, labels[:, None])[:, 0]).sum()
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]   # (c, V)
+    d_logits = (log_p.exp() - onehot.to(exact)) * row_weights[:, None]                # (c, V)
+    return loss, d_logits.to(logits.dtype)
+
+
 class FrozenHeadCrossEntropy(torch.autograd.Function):
     """Σ_r w_r · CE(h_r Wᵀ, y_r) through the frozen LM head W, without the whole (M, V) logits: rows go
     through the head CE_CHUNK at a time, and each chunk's gradient with respect to its rows,
     w · (softmax − onehot) @ W, is taken in the forward pass (W needs none); backward only scales it.
-    Logits in the head's dtype, softmax in float32 (float64 for a float64 head), as lm_logits."""
+    Logits in the head's dtype, softmax in float32 (float64 for a float64 head), as lm_logits.
+    `chunk_grad` is head_chunk_grad, or the same function compiled."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk: int):
-        exact = torch.promote_types(weight.dtype, torch.float32)   # softmax in fp32 at least
-        loss = torch.zeros((), dtype=exact, device=hidden.device)
+    def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad):
+        loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
         grad = torch.empty_like(hidden)                                               # (M, H)
         for i in range(0, len(hidden), chunk):
-            logits = (hidden[i:i + chunk].to(weight.dtype) @ weight.T).to(exact)      # (c, V)
-            y, w = labels[i:i + chunk], row_weights[i:i + chunk]                      # (c,)
-            log_p = logits.log_softmax(-1)                                            # (c, V)
-            loss += -(w * log_p.gather(1, y[:, None])[:, 0]).sum()
-            d_logits = log_p.exp_()
-            d_logits[torch.arange(len(y), device=y.device), y] -= 1
-            grad[i:i + chunk] = ((d_logits * w[:, None]).to(weight.dtype) @ weight).to(hidden.dtype)
+            logits = hidden[i:i + chunk].to(weight.dtype) @ weight.T                  # (c, V)
+            chunk_loss, d_logits = chunk_grad(logits, labels[i:i + chunk], row_weights[i:i + chunk])
+            loss += chunk_loss
+            grad[i:i + chunk] = (d_logits @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
 
 
-CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) float32 logits at a time
+CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) logits at a time
 
 
-def block_loss(target, hidden, labels, weights):
+def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad):
     """Cross-entropy through the target's LM head, weighted by block row, normalised by the weight sum.
-    hidden (M, B, H), labels (M, B), weights (B,)."""
+    hidden (M, B, H), labels (M, B), weights (B,); chunk_grad as FrozenHeadCrossEntropy's."""
     labels = labels.to(hidden.device)
     keep = labels != IGNORE                                                           # (M, B)
     w = weights.expand_as(labels)[keep]                                               # (R,)
     head = target.get_output_embeddings().weight                                      # (V, H)
-    return FrozenHeadCrossEntropy.apply(hidden[keep], head, labels[keep], w, CE_CHUNK) / w.sum()
+    return FrozenHeadCrossEntropy.apply(hidden[keep], head, labels[keep], w, CE_CHUNK, chunk_grad) / w.sum()
 
 
 def step_flops(drafter: Drafter, target, blocks: Blocks, N: int) -> float:
@@ -805,7 +815,7 @@ class TrainConfig:
     time_budget: float | None = None  # seconds: the schedule is refitted to the measured step time
     cache_tokens: int | None = None   # most tokens whose features are cached at once; None: the whole set
     pad_shapes: tuple[int, int] = (1, 1)   # a step's context length and block count rounded up to multiples of these
-    compile: bool = False           # torch.compile the drafter's forward (dynamic shapes): fused norms, RoPE, SiLU
+    compile: bool = False           # torch.compile the drafter's forward and the head's loss (dynamic shapes)
     seed: int = 0                   # sequence order and anchors
 
 
@@ -872,6 +882,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     drafter.train().requires_grad_(True)
     if cfg.compile:   # in place: the module, its parameters and their names stay the checkpoint's
         drafter.compile(dynamic=True)
+    # compiled, the head's loss is a few fused passes over each chunk's logits rather than one per op
+    chunk_grad = torch.compile(head_chunk_grad, dynamic=True) if cfg.compile else head_chunk_grad
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
     steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)
                           for run in shards(list(range(len(sequences))), sequences, cfg.cache_tokens, cfg.batch_size))
@@ -916,7 +928,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                         continue
                     with autocast(device):
                         hidden = draft_hidden(target, drafter, blocks, features)
-                        loss = block_loss(target, hidden, blocks.labels, weights)
+                        loss = block_loss(target, hidden, blocks.labels, weights, chunk_grad)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
