@@ -1470,8 +1470,8 @@ def parse_args(argv=None):
     s.add_argument("--pad-shapes", type=int, nargs=2, default=[1, 1], metavar=("POSITIONS", "BLOCKS"),
                    help="round each step's context length and block count up to multiples of these (masked, "
                         "unlabelled padding: the same loss), so that steps repeat fewer shapes (default: 1 1, none)")
-    s.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward (dynamic shapes; "
-                   "the first steps wait for the compiler)")
+    s.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward and the head's loss "
+                   "chunk (dynamic shapes; the first steps wait for the compiler)")
     s.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
     s.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
     s.add_argument("--weight-decay", type=float, default=0.0)
