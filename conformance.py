@@ -200,8 +200,8 @@ def record_reference(target, drafter, request: dict, generate=None):
         rec.last_hidden = real["draft_block"](drafter_, ctx, block_embeds)
         return rec.last_hidden
 
-    def propose(drafter_, ctx, block, target_):
-        drafts = real["propose"](drafter_, ctx, block, target_)
+    def propose(drafter_, ctx, block, target_, count):
+        drafts = real["propose"](drafter_, ctx, block, target_, count)
         rec.put_readout(rec.calls, rec.last_hidden, target_)
         return drafts
 
@@ -253,8 +253,8 @@ def record_fastpath(target, drafter, request: dict) -> dict:
         rec.last_hidden = real["draft_block"](drafter_, buf, block_embeds)
         return rec.last_hidden
 
-    def propose(drafter_, buf, block, target_):
-        drafts = real["propose"](drafter_, buf, block, target_)
+    def propose(drafter_, buf, block, target_, count):
+        drafts = real["propose"](drafter_, buf, block, target_, count)
         if int(buf.max_accept) > 0:   # the reference drafts only where a draft can be verified
             rec.put_readout(rec.calls, rec.last_hidden, target_)
         return drafts

@@ -277,10 +277,12 @@ def draft_block(drafter: Drafter, ctx: DraftContext, block_embeds):
     return drafter(block_embeds, positions, list(zip(ctx.keys, ctx.values)), masks)
 
 
-def propose(drafter: Drafter, ctx: DraftContext, block, target):
-    """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the target's LM head argmax of rows 1..W-1, no shift."""
+def propose(drafter: Drafter, ctx: DraftContext, block, target, count: int):
+    """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the target's LM head argmax of rows 1..count,
+    no shift. Every row of the block is computed (its rows attend to each other); only the `count` drafts
+    to verify go through the head, which costs by the row (on CPU 20.8 ms for 15 rows, 4.4 ms for 3)."""
     hidden = draft_block(drafter, ctx, target.get_input_embeddings()(block))            # (W, H)
-    return target.get_output_embeddings()(hidden[1:]).argmax(-1)                        # (W-1,)
+    return target.get_output_embeddings()(hidden[1:1 + count]).argmax(-1)              # (count,)
 
 
 # -----------------------------------------------------------------------------
@@ -434,7 +436,7 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
                 bonus_id = torch.tensor([bonus], device=device)                             # (1,)
                 drafts = torch.empty(0, dtype=torch.long, device=device)                    # (k,)
                 if k > 0:
-                    drafts = propose(drafter, ctx, torch.cat([bonus_id, mask_ids]), target)[:k]   # block (W,)
+                    drafts = propose(drafter, ctx, torch.cat([bonus_id, mask_ids]), target, k)   # block (W,)
 
                 logits, features = target_forward(target, torch.cat([bonus_id, drafts]), start, cache, capture)
                 accepted, next_token = verify(drafts, logits, sampling, uniforms())         # logits (k+1, V)

@@ -439,10 +439,10 @@ def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
     return drafter.module.norm(x)                                                       # (W, H)
 
 
-def propose(drafter: FusedDrafter, buf: Buffers, block, target):
-    """Greedy drafts for block ids (W,): rows 1..W-1 through the target's LM head."""
+def propose(drafter: FusedDrafter, buf: Buffers, block, target, count: int):
+    """Greedy drafts for block ids (W,): rows 1..count through the target's LM head, as dflash.propose."""
     hidden = draft_block(drafter, buf, target.get_input_embeddings()(block))           # (W, H)
-    return target.get_output_embeddings()(hidden[1:]).argmax(-1)                       # (W-1,)
+    return target.get_output_embeddings()(hidden[1:1 + count]).argmax(-1)             # (count,)
 
 
 # -----------------------------------------------------------------------------
@@ -536,7 +536,7 @@ class Decoder:
         """Draft K tokens into verify_ids[1:]."""
         buf = self.buf
         block = torch.cat([buf.verify_ids[:1], self.mask_ids])                          # (W,)
-        buf.verify_ids[1:] = propose(self.fused, buf, block, self.target)[:self.K]      # (K,)
+        buf.verify_ids[1:] = propose(self.fused, buf, block, self.target, self.K)       # (K,)
 
     def verify_step(self):
         """Verify K+1 tokens with capture, accept on the device, append the context, advance."""

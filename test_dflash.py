@@ -494,7 +494,7 @@ def test_drafter_context_is_every_committed_token_but_the_bonus(targets, drafter
     target, drafter, prompt = targets["qwen3"], drafters("qwen3", fmt, 4), [4, 8, 15, 16, 23]
     real_propose, checked = dflash.propose, []
 
-    def checking_propose(drafter_, ctx, block, target_):
+    def checking_propose(drafter_, ctx, block, target_, count):
         sequence = prompt + gen_tokens[:ctx.length - len(prompt) + 1]
         assert sequence[-1] == int(block[0])                      # the bonus is the last committed token
         _, features = forward_with_capture(target, torch.tensor(sequence[:-1]), drafter.config.target_layer_ids)
@@ -502,7 +502,7 @@ def test_drafter_context_is_every_committed_token_but_the_bonus(targets, drafter
         for got, want in zip(ctx.keys + ctx.values, fresh.keys + fresh.values):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
         checked.append(ctx.length)
-        return real_propose(drafter_, ctx, block, target_)
+        return real_propose(drafter_, ctx, block, target_, count)
 
     gen_tokens = dflash.generate(target, drafter, prompt, 14).tokens
     with mock.patch.object(dflash, "propose", checking_propose):
@@ -642,13 +642,13 @@ def test_greedy_equals_target_greedy(targets, drafters, family, fmt, block_size,
 def oracle_double(reference: list[int], prompt_len: int, wrong_at: set[int], vocab=VOCAB):
     """A stand-in for `propose` that drafts the target's true continuation, made wrong at the
     absolute positions in `wrong_at`. The context length tells it where the block starts."""
-    def propose(drafter, ctx, block, target):
+    def propose(drafter, ctx, block, target, count):
         start = ctx.length                                        # position of the bonus token
         drafts = []
         for pos in range(start + 1, start + len(block)):
             true = reference[pos - prompt_len] if pos - prompt_len < len(reference) else 0
             drafts.append((true + 1) % vocab if pos in wrong_at else true)
-        return torch.tensor(drafts)
+        return torch.tensor(drafts[:count])
     return propose
 
 
@@ -1239,11 +1239,11 @@ def helped(real_propose, reference, prompt_len, start_of, seed):
     drafter's own context. `start_of(state)` reads the bonus position from either file's state."""
     import random
 
-    def propose(drafter, state, block, target):
-        drafts = real_propose(drafter, state, block, target).clone()
+    def propose(drafter, state, block, target, count):
+        drafts = real_propose(drafter, state, block, target, count).clone()
         start = int(start_of(state))
-        r = random.Random(seed * 100003 + start).randint(0, len(drafts))
-        for i in range(r):
+        r = random.Random(seed * 100003 + start).randint(0, len(block) - 1)   # by the block: both files' width
+        for i in range(min(r, len(drafts))):
             if start + 1 + i - prompt_len < len(reference):
                 drafts[i] = reference[start + 1 + i - prompt_len]
         return drafts
@@ -1542,7 +1542,7 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
         ref = dflash.generate(target, drafter, prompt, 40)
         assert_same_tokens(fast.tokens, ref.tokens)
         assert fast.acceptance_lengths == ref.acceptance_lengths
-    mask_drafts = lambda drafter, buf, block, target: block[1:]   # [m, ..., m]: an accepted one is still an argmax
+    mask_drafts = lambda drafter, buf, block, target, count: block[1:1 + count]   # [m, ..., m]: an accepted one is still an argmax
     with mock.patch.object(fastpath, "propose", mask_drafts):     # a new Decoder: new buffers, new graphs
         alone = fastpath.generate(target, drafter, prompt, 40, capacity=512)
     assert_same_tokens(fast.tokens, alone.tokens)
@@ -2772,9 +2772,9 @@ def bonus_too_early(target, drafter, request):
 
 def shifted_readout(target, drafter, request):
     """A port that reads its drafts from block rows 0..W-2 (next-token style) instead of 1..W-1."""
-    def propose(drafter_, ctx, block, target_):
+    def propose(drafter_, ctx, block, target_, count):
         hidden = dflash.draft_block(drafter_, ctx, target_.get_input_embeddings()(block))   # (W, H)
-        return target_.get_output_embeddings()(hidden[:-1]).argmax(-1)                     # (W-1,)
+        return target_.get_output_embeddings()(hidden[:count]).argmax(-1)                  # (count,)
     with mock.patch.object(dflash, "propose", propose):   # patched first, so the recorder wraps it
         return conformance.record_reference(target, drafter, request)[0]
 
