@@ -142,7 +142,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             drafter.compile(dynamic=True)
         store, loss_fn = {"cached": cached, "live": live}[store_name], losses[loss_name]
         if compiled and loss_name == "chunked":   # as train --compile: the head's loss chunk compiled too
-            loss_fn = functools.partial(train.block_loss, chunk_grad=torch.compile(train.head_chunk_grad, dynamic=True))
+            loss_fn = functools.partial(train.block_loss, chunk_grad=train.head_loss_chunk(True))
         # batches of their own for each run: shapes that an earlier run met are cheaper to meet again
         # (cuDNN plans, the allocator), and training rarely meets a shape twice
         g = torch.Generator().manual_seed(run)

@@ -1932,7 +1932,7 @@ def test_compiled_head_chunk_equals_eager_on_cpu():
     on CPU in float32 it gives the eager loss and gradient to the logits within float32 rounding, for
     two chunk lengths through one compile; both equal float64 autograd."""
     torch._dynamo.reset()
-    compiled = torch.compile(train.head_chunk_grad, dynamic=True)
+    compiled = train.head_loss_chunk(True)
     for rows in (37, 20):
         logits, labels, w, want, want_grad = head_chunk_cases("cpu", torch.float32, rows, 1000)
         eager_loss, eager_grad = train.head_chunk_grad(logits, labels, w)
@@ -1951,7 +1951,7 @@ def test_compiled_head_chunk_on_cuda():
     (a full chunk and a short last one): its error against float64 autograd stays within twice the eager
     chunk's own error plus 1e-6 of the largest exact value, for the loss and the bf16 gradient to the logits."""
     torch._dynamo.reset()
-    compiled = torch.compile(train.head_chunk_grad, dynamic=True)
+    compiled = train.head_loss_chunk(True)
     for rows in (train.CE_CHUNK, 1000):
         logits, labels, w, want, want_grad = head_chunk_cases("cuda", torch.bfloat16, rows, 49152)
         eager_loss, eager_grad = train.head_chunk_grad(logits, labels, w)

@@ -678,6 +678,12 @@ def head_chunk_grad(logits, labels, row_weights):
     return loss, d_logits.to(logits.dtype)
 
 
+def head_loss_chunk(compiled: bool):
+    """The chunk function FrozenHeadCrossEntropy runs: head_chunk_grad, or for `train --compile` the same
+    compiled (inductor, dynamic rows: one compile serves every chunk length)."""
+    return torch.compile(head_chunk_grad, dynamic=True) if compiled else head_chunk_grad
+
+
 class FrozenHeadCrossEntropy(torch.autograd.Function):
     """Σ_r w_r · CE(h_r Wᵀ, y_r) through the frozen LM head W, without the whole (M, V) logits: rows go
     through the head CE_CHUNK at a time, and each chunk's gradient with respect to its rows,
@@ -882,8 +888,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     drafter.train().requires_grad_(True)
     if cfg.compile:   # in place: the module, its parameters and their names stay the checkpoint's
         drafter.compile(dynamic=True)
-    # compiled, the head's loss is a few fused passes over each chunk's logits rather than one per op
-    chunk_grad = torch.compile(head_chunk_grad, dynamic=True) if cfg.compile else head_chunk_grad
+    chunk_grad = head_loss_chunk(cfg.compile)   # compiled: fused passes over each chunk's logits, not one per op
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
     steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)
                           for run in shards(list(range(len(sequences))), sequences, cfg.cache_tokens, cfg.batch_size))
