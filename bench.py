@@ -66,6 +66,13 @@ def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
     return target, drafter
 
 
+def inductor_settings() -> dict:
+    """The inductor options (set by TORCHINDUCTOR_* variables) that change the compiled steps' kernels."""
+    import torch._inductor.config as config
+    return dict(enable_pdl=getattr(config.triton, "enable_pdl", None), max_autotune=config.max_autotune,
+                coordinate_descent_tuning=config.coordinate_descent_tuning)
+
+
 def copy_bandwidth(nbytes=2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of 20."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -250,10 +257,10 @@ def main():
                       shape=args.shape, dtype="bfloat16", batch=1, prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, K=K, weights="random (timing only; τ measured = 1)",
                       copy_bandwidth_TBps=bandwidth / 1e12, bytes_ar=ar_bytes, bytes_dflash_step=ar_bytes + draft_bytes,
-                      compile_and_capture_s={})
+                      compile_and_capture_s={}, inductor=inductor_settings())
     rows, errors, layers = [], {}, {}
     print(f"\n{args.shape}: {conditions['gpu']}, bf16, batch 1, prompt {args.prompt_len}, {args.new_tokens} new, "
-          f"K={K}, random weights; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
+          f"K={K}, random weights, inductor {conditions['inductor']}; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
           f"{floor_step:.3f} ms/DFlash step (incl. {lm_head / 1e9:.2f} GB LM head read again for drafts)")
     print(f"{'row':<22}{'ms/step':>9}{'tau':>6}{'tok/s':>9}{'tok/s@6.5':>11}{'floor ms':>10}{'x floor':>9}")
 

@@ -129,8 +129,13 @@ class DraftAttention(nn.Module):
         q, k = rope(self.q_norm(q), table), rope(self.k_norm(k), table)
         keys = torch.cat([context[0], k.transpose(-3, -2)], -2)                        # (..., hk, S+W, d)
         values = torch.cat([context[1], v.transpose(-3, -2)], -2)                      # (..., hk, S+W, d)
+        # GQA: each K/V head repeated for its g query heads. SDPA's own enable_gqa runs only its math
+        # kernel under a mask, which on CUDA upcasts to fp32 and writes out the scores; repeated, a masked
+        # call can take memory-efficient attention (training's packed forward)
+        g = q.shape[-2] // keys.shape[-3]
+        keys, values = keys.repeat_interleave(g, -3), values.repeat_interleave(g, -3)  # (..., h, S+W, d)
         # mask (..., W, S+W): the keys each row sees, or None for all
-        o = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=mask, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=mask)
         o = o.transpose(-3, -2)                                                         # (..., W, h, d)
         return self.o_proj((o if self.g_proj is None else gate(self.g_proj(u), o)).flatten(-2))
 

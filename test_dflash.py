@@ -1986,6 +1986,30 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):
     assert runs["sharded"] == pytest.approx(live_sharded, rel=1e-10)
 
 
+def test_each_heldout_estimate_sees_the_weights_of_its_own_step(tiny, monkeypatch):
+    """On CUDA train reads a step's loss back only once the next step is queued, so that the host never
+    waits for the step it has just queued (here on CPU, the same path). A held-out estimate still comes
+    before the next step: the one at step s walks the drafter after exactly s optimizer steps, and every
+    step has its loss and pace."""
+    _, target, sequences = tiny
+    _, drafter = fresh_drafter(target)
+    assert train.reads_back_late(torch.device("cuda")) and not train.reads_back_late(torch.device("cpu"))
+    monkeypatch.setattr(train, "reads_back_late", lambda device: True)
+    steps_taken, real_step = [0], torch.optim.AdamW.step
+
+    def counting_step(self, *args, **kwargs):
+        steps_taken[0] += 1
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
+    monkeypatch.setattr(train, "heldout_entry", lambda *args: {"heldout_tau": float(steps_taken[0])})
+    cfg = train.TrainConfig(epochs=3, batch_size=4, anchors=6, lr=3e-3, eval_every=4)
+    history = train.train(target, drafter, sequences[:20], sequences[-4:], cfg, progress=False)
+    assert [h["step"] for h in history] == list(range(1, 16))
+    assert {h["step"]: h["heldout_tau"] for h in history if "heldout_tau" in h} == {4: 4.0, 8: 8.0, 12: 12.0, 15: 15.0}
+    assert all(math.isfinite(h["loss"]) and h["blocks_per_s"] > 0 for h in history)
+
+
 def test_feature_shards_hold_whole_batches():
     """Feature shards stay within their token budget and hold whole batches, so that only an epoch's last
     batch is short; a batch over the budget still makes a shard of its own; no budget is one shard."""

@@ -443,6 +443,15 @@ class Blocks:
         return int((self.labels != IGNORE).any(1).sum())
 
 
+def to_device(t, device):
+    """A host tensor onto `device` without waiting for the GPU: on CUDA through pinned memory, since a
+    copy from pageable memory first waits for every kernel queued before it."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def pad_sequences(sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids (Bt, N) and true lengths (Bt,)."""
     lengths = torch.tensor([len(s.ids) for s in sequences])                           # (Bt,)
@@ -552,8 +561,8 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors, group: int | None 
     anchor and its own block. Returns the final-normed hidden states (M, B, H)."""
     (M, B, H), N, device = x.shape, c.shape[1], c.device
     group = group or default_group(B)
-    owners, slots = (t.to(device) for t in attention_groups(sequence, group))        # (G,), (G, g)
-    anchors = torch.cat([anchors.to(device), anchors.new_zeros(1, device=device)])    # (M+1,) an empty slot at 0
+    owners, slots = (to_device(t, device) for t in attention_groups(sequence, group))  # (G,), (G, g)
+    anchors = to_device(torch.cat([anchors, anchors.new_zeros(1)]), device)           # (M+1,) an empty slot at 0
     rows_x = torch.cat([x, x.new_zeros(1, B, H)])[slots].flatten(1, 2)                # (G, g·B, H)
     row_anchors = anchors[slots].repeat_interleave(B, -1)                             # (G, g·B)
     slot_of_row = torch.arange(group * B, device=device).expand_as(row_anchors) // B  # (G, g·B)
@@ -602,23 +611,25 @@ class LiveFeatures:
         self.target, self.sequences, self.layer_ids, self.dtype = target, sequences, layer_ids, dtype
 
     def batch(self, indices: list[int]):
-        """-> features (Bt, N, n·H), labels (Bt, N) of sequences[indices], N their longest length."""
-        return capture_features(self.target, *pad_sequences([self.sequences[i] for i in indices]),
-                                self.layer_ids, self.dtype)
+        """-> features (Bt, N, n·H), labels (Bt, N) on the host, of sequences[indices], N their longest length."""
+        features, labels = capture_features(self.target, *pad_sequences([self.sequences[i] for i in indices]),
+                                            self.layer_ids, self.dtype)
+        return features, labels.cpu()
 
 
 class CachedFeatures:
-    """Features and the target's labels of every sequence, captured once and kept flat on the
-    device (n·H values per token), then gathered per batch; the same tensors LiveFeatures returns."""
+    """Features and the target's labels of every sequence, captured once: the features kept flat on
+    the device (n·H values per token), the labels on the host, so that building a batch waits for no
+    kernel; then gathered per batch, the same tensors LiveFeatures returns."""
 
     def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, tokens_per_pass: int = 16384):
-        device = target.get_input_embeddings().weight.device
-        self.lengths = torch.tensor([len(s.ids) for s in sequences], device=device)   # (S,)
+        self.device = device = target.get_input_embeddings().weight.device
+        self.lengths = torch.tensor([len(s.ids) for s in sequences])                  # (S,) on the host
         self.offsets = torch.cumsum(self.lengths, 0) - self.lengths                   # (S,)
         total, width = int(self.lengths.sum()), len(layer_ids) * target.config.get_text_config().hidden_size
         self.features = torch.empty(total, width, dtype=dtype, device=device)         # (total, n·H)
-        self.labels = torch.empty(total, dtype=torch.long, device=device)             # (total,)
-        starts = self.offsets.tolist()                                                # host copy: one read
+        labels_here = torch.empty(total, dtype=torch.long, device=device)             # (total,)
+        starts = self.offsets.tolist()
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))     # little padding per pass
         i = 0
         while i < len(order):
@@ -631,16 +642,19 @@ class CachedFeatures:
             for row, k in enumerate(chunk):
                 start, n = starts[k], len(sequences[k].ids)
                 self.features[start:start + n] = features[row, :n]
-                self.labels[start:start + n] = labels[row, :n]
+                labels_here[start:start + n] = labels[row, :n]
             i = j
+        self.labels = labels_here.cpu()                                               # (total,) one read
 
     def batch(self, indices: list[int]):
-        """-> features (Bt, N, n·H), labels (Bt, N) of the sequences at `indices`, N their longest length."""
+        """-> features (Bt, N, n·H), labels (Bt, N) on the host, of the sequences at `indices`, N their
+        longest length."""
         lengths = self.lengths[indices]                                               # (Bt,)
-        positions = torch.arange(int(lengths.max()), device=lengths.device)           # (N,)
+        positions = torch.arange(int(lengths.max()))                                  # (N,)
         past_end = positions[None] >= lengths[:, None]                                # (Bt, N)
         rows = self.offsets[indices][:, None] + torch.minimum(positions[None], lengths[:, None] - 1)   # (Bt, N)
-        features = self.features[rows].masked_fill(past_end[..., None], 0)             # (Bt, N, n·H)
+        features = self.features[to_device(rows, self.device)]                        # (Bt, N, n·H)
+        features = features.masked_fill(to_device(past_end, self.device)[..., None], 0)
         return features, self.labels[rows].masked_fill(past_end, IGNORE)
 
 
@@ -649,7 +663,7 @@ def draft_hidden(target, drafter: Drafter, blocks: Blocks, features, group: int 
     groups of `group` blocks)."""
     device = features.device
     c = drafter.project_context(features)                                             # (Bt, N, H)
-    x = target.get_input_embeddings()(blocks.block_ids.to(device)).to(c.dtype)        # (M, B, H)
+    x = target.get_input_embeddings()(to_device(blocks.block_ids, device)).to(c.dtype)   # (M, B, H)
     return packed_forward(drafter, c, x, blocks.sequence, blocks.anchors, group)
 
 
@@ -714,12 +728,14 @@ CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) logits at a time
 
 def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad):
     """Cross-entropy through the target's LM head, weighted by block row, normalised by the weight sum.
-    hidden (M, B, H), labels (M, B), weights (B,); chunk_grad as FrozenHeadCrossEntropy's."""
-    labels = labels.to(hidden.device)
-    keep = labels != IGNORE                                                           # (M, B)
-    w = weights.expand_as(labels)[keep]                                               # (R,)
+    hidden (M, B, H), labels (M, B) on the host (make_blocks', so that finding the labelled rows waits
+    for no kernel), weights (B,); chunk_grad as FrozenHeadCrossEntropy's."""
+    device, flat = hidden.device, labels.flatten()                                    # (M·B,)
+    rows = (flat != IGNORE).nonzero()[:, 0]                                           # (R,) the labelled rows
+    w = weights[to_device(rows % labels.shape[1], device)]                            # (R,)
     head = target.get_output_embeddings().weight                                      # (V, H)
-    return FrozenHeadCrossEntropy.apply(hidden[keep], head, labels[keep], w, CE_CHUNK, chunk_grad) / w.sum()
+    return FrozenHeadCrossEntropy.apply(hidden.flatten(0, 1)[to_device(rows, device)], head,
+                                        to_device(flat[rows], device), w, CE_CHUNK, chunk_grad) / w.sum()
 
 
 def step_flops(drafter: Drafter, target, blocks: Blocks, N: int) -> float:
@@ -825,6 +841,13 @@ class TrainConfig:
     seed: int = 0                   # sequence order and anchors
 
 
+def reads_back_late(device) -> bool:
+    """Whether train reads a step's loss back only after queuing the next: on CUDA, where kernels run
+    while the host goes on. On CPU a step is done once queued, and read back at once, so that its
+    seconds are its own."""
+    return device.type == "cuda"
+
+
 def lr_factor(step: int, total: int, warmup_steps: int) -> float:
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -904,28 +927,57 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     history, step, tau, t0 = [], 0, None, time.perf_counter()
     features_of, where = None, {}   # the store in use, each sequence's index in it
     overhead = 0.0   # seconds that are not the pace of a step: feature captures, and the first step (its compile)
+    # On CUDA the host never waits for a step it has just queued: it reads a step's loss back once the
+    # next step is queued behind it, so the next batch is built while the GPU runs (reads_back_late).
+    # A step's seconds run from the end of the step before it to its own end.
+    late, queued, ended = reads_back_late(device), None, t0   # the step queued and not yet read back: (entry, loss, blocks, FLOPs); when the last ended
     bar = tqdm(total=plan["total"], desc="train", unit="step", disable=not progress)
+
+    def read_back(pending):
+        nonlocal ended, overhead, tau
+        entry, loss, drawn, flops = pending
+        entry["loss"] = loss.item()   # waits for the step
+        now = time.perf_counter()
+        seconds, ended = now - ended, now
+        if entry["step"] == 1:
+            overhead += seconds
+        entry |= {"blocks": drawn, "blocks_per_s": drawn / seconds, "tflops": flops / seconds / 1e12}
+        if (heldout or more_heldout) and (entry["step"] % cfg.eval_every == 0 or entry["step"] == plan["total"]):
+            drafter.eval()
+            entry |= heldout_entry(target, drafter, heldout, more_heldout, cfg.batch_size)
+            drafter.train()
+            tau = entry.get("heldout_tau", tau)
+            ended = time.perf_counter()
+        history.append(entry)
+        if cfg.time_budget and refit_now(entry["step"]):
+            fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, overhead)
+        bar.update(1)
+        bar.set_postfix(loss=f"{entry['loss']:.3f}", blocks_s=f"{entry['blocks_per_s']:.0f}",
+                        tflops=f"{entry['tflops']:.0f}", tau="-" if tau is None else f"{tau:.2f}")
+        return None   # nothing queued any more
+
     try:   # Ctrl-C ends training where it is; the caller saves the drafter as trained so far
         while step < plan["total"]:
             order = torch.randperm(len(sequences), generator=generator).tolist()   # new order and anchors each epoch
             runs = shards(order, sequences, cfg.cache_tokens, cfg.batch_size)
             for run in runs:
                 if features_of is None or len(runs) > 1:   # one shard: captured once for the whole run
+                    if queued:
+                        queued = read_back(queued)
                     t_capture = time.perf_counter()
                     features_of = None   # free the last shard's cache before capturing the next
                     features_of = store(target, [sequences[i] for i in run], layer_ids, dtype)
                     where = {i: k for k, i in enumerate(run)}
-                    overhead += time.perf_counter() - t_capture
+                    ended = time.perf_counter()
+                    overhead += ended - t_capture
                     if progress and store is CachedFeatures:
-                        print(f"\ncached the features of {len(run)} sequences in "
-                              f"{time.perf_counter() - t_capture:.1f}s", file=sys.stderr)
+                        print(f"\ncached the features of {len(run)} sequences in {ended - t_capture:.1f}s", file=sys.stderr)
                 for i in range(0, len(run), cfg.batch_size):
                     if step >= plan["total"]:
                         break
-                    t_step = time.perf_counter()
                     indices = run[i:i + cfg.batch_size]
                     features, labels = pad_positions(*features_of.batch([where[j] for j in indices]),
-                                                     cfg.pad_shapes[0])                 # (Bt, N, n·H), (Bt, N)
+                                                     cfg.pad_shapes[0])                 # (Bt, N, n·H), (Bt, N) on the host
                     blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
                                          generator, labels=labels, pad_to=cfg.pad_shapes[1])
                     drawn = blocks.drawn()
@@ -940,26 +992,19 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                     optimizer.step()
                     schedule.step()
                     step += 1
-                    entry = {"step": step, "loss": loss.item(), "lr": schedule.get_last_lr()[0]}   # .item() syncs
-                    seconds = time.perf_counter() - t_step
-                    if step == 1:
-                        overhead += seconds
-                    entry |= {"blocks": drawn, "blocks_per_s": drawn / seconds,
-                              "tflops": step_flops(drafter, target, blocks, features.shape[1]) / seconds / 1e12}
-                    if (heldout or more_heldout) and (step % cfg.eval_every == 0 or step == plan["total"]):
-                        drafter.eval()
-                        entry |= heldout_entry(target, drafter, heldout, more_heldout, cfg.batch_size)
-                        drafter.train()
-                        tau = entry.get("heldout_tau", tau)
-                    history.append(entry)
-                    if cfg.time_budget and refit_now(step):
-                        fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, overhead)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{entry['loss']:.3f}", blocks_s=f"{entry['blocks_per_s']:.0f}",
-                                    tflops=f"{entry['tflops']:.0f}", tau="-" if tau is None else f"{tau:.2f}")
+                    before, queued = queued, ({"step": step, "lr": schedule.get_last_lr()[0]}, loss.detach(), drawn,
+                                              step_flops(drafter, target, blocks, features.shape[1]))
+                    if before:   # read back while this step runs
+                        read_back(before)
+                    if not late or step == 1 or step % cfg.eval_every == 0 or step == plan["total"]:
+                        queued = read_back(queued)   # at once: the first (its compile timed alone), and before an estimate
                 if step >= plan["total"]:
                     break
+        if queued:
+            read_back(queued)
     except KeyboardInterrupt:
+        if queued:
+            read_back(queued)
         if history:
             history[-1]["interrupted"] = True
         print(f"\ninterrupted at step {step}", file=sys.stderr)
