@@ -122,8 +122,9 @@ def graph_time(replay, iters=50) -> float:
     return statistics.median(times)
 
 
-def profile_step(dec, steps=10):
-    """Kernel count and the costliest kernels of the graphed draft and verify parts."""
+def profile_step(dec, steps=10) -> dict:
+    """Kernel count and the costliest kernels of the graphed draft and verify parts, printed, and as a
+    dict for the JSON: kernels and kernel time per step, and per kernel name its calls and µs per step."""
     from torch.profiler import ProfilerActivity, profile
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -134,6 +135,14 @@ def profile_step(dec, steps=10):
     busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
     print(f"profile: {len(kernels) / steps:.0f} kernels per step, {busy_ms:.3f} ms of kernel time per step")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    by_name = {}
+    for e in kernels:
+        calls, us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (calls + 1, us + e.device_time)
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])
+    return dict(steps=steps, kernels_per_step=len(kernels) / steps, kernel_ms_per_step=busy_ms,
+                kernels=[dict(name=name[:120], calls_per_step=calls / steps, us_per_step=us / steps)
+                         for name, (calls, us) in top])
 
 
 def profile_eager(name: str, run, steps: int):
@@ -258,7 +267,7 @@ def main():
                       new_tokens=args.new_tokens, K=K, weights="random (timing only; τ measured = 1)",
                       copy_bandwidth_TBps=bandwidth / 1e12, bytes_ar=ar_bytes, bytes_dflash_step=ar_bytes + draft_bytes,
                       compile_and_capture_s={}, inductor=inductor_settings())
-    rows, errors, layers = [], {}, {}
+    rows, errors, layers, profile = [], {}, {}, None
     print(f"\n{args.shape}: {conditions['gpu']}, bf16, batch 1, prompt {args.prompt_len}, {args.new_tokens} new, "
           f"K={K}, random weights, inductor {conditions['inductor']}; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
           f"{floor_step:.3f} ms/DFlash step (incl. {lm_head / 1e9:.2f} GB LM head read again for drafts)")
@@ -279,7 +288,8 @@ def main():
     def save():   # rewritten after every row, so a run cut short still leaves its numbers
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(conditions=conditions, rows=rows, errors=errors, layers=layers), f, indent=2)
+                json.dump(dict(conditions=conditions, rows=rows, errors=errors, layers=layers, step_profile=profile),
+                          f, indent=2)
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
@@ -301,7 +311,8 @@ def main():
             dec.buf.start.fill_(context)
             add("  fast verify part", graph_time(dec.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
         if args.profile:
-            profile_step(dec)
+            profile = profile_step(dec)
+            save()
         if "layers" not in skip:
             with torch.inference_mode():
                 layers.update(layer_profiles(dec, context))

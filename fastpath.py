@@ -146,19 +146,91 @@ def dense_layer(layer, apply_rotary, qkv, gate_up, keys, values, x, cos, sin, sl
     its row's slots 0..s (`attend_upto`). The model's own norms, RoPE (`apply_rotary`),
     o/down projections and SiLU; [q; k; v] and [gate; up] as the fused matrices qkv and gate_up.
     Everything a layer owns comes in as an argument, so one compiled copy serves every layer."""
-    attn, (Bt, N, _), hk, d = layer.self_attn, x.shape, keys.shape[1], keys.shape[3]
-    q, k, v = (layer.input_layernorm(x) @ qkv.T).split([qkv.shape[0] - 2 * hk * d, hk * d, hk * d], dim=-1)
+    attn = layer.self_attn
+    q = heads_into_place(attn, apply_rotary, layer.input_layernorm(x) @ qkv.T, keys, values, cos, sin, slots)
+    o = attend_upto(q, keys, values, slots, attn.scaling)                               # (Bt, N, h·d)
+    x = x + attn.o_proj(o)
+    gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, dim=-1)
+    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                         # (Bt, N, H)
+
+
+def heads_into_place(attn, apply_rotary, qkv_rows, keys, values, cos, sin, slots):
+    """A layer's [q; k; v] projection rows (Bt, N, (h+2·hk)·d) into heads: q and k normalised per head
+    (Qwen3's q_norm/k_norm) and rotated (`apply_rotary`, cos/sin (Bt, N, d)), k and v written into
+    keys/values (Bt, hk, C, d) at each row's slots (Bt, N) -> q (Bt, N, h, d). On CUDA one Triton kernel
+    (`triton_heads_into_place`, the rotation as Llama/Qwen3 have it), where the compiled twin below
+    is about five kernels; elsewhere, and for float64, the twin: the model's own modules."""
+    if qkv_rows.is_cuda and triton is not None and qkv_rows.dtype != torch.float64:
+        return triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots)
+    (Bt, N, _), hk, d = qkv_rows.shape, keys.shape[1], keys.shape[3]
+    q, k, v = qkv_rows.split([qkv_rows.shape[-1] - 2 * hk * d, hk * d, hk * d], dim=-1)
     q, k, v = q.view(Bt, N, -1, d), k.view(Bt, N, hk, d), v.view(Bt, N, hk, d)
     if hasattr(attn, "q_norm"):   # Qwen3 normalises q and k per head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=2)                                # cos, sin as (Bt, N, 1, d)
-    rows = torch.arange(Bt, device=x.device)[:, None]                                   # (Bt, 1)
+    rows = torch.arange(Bt, device=qkv_rows.device)[:, None]                           # (Bt, 1)
     keys[rows, :, slots] = k                                                            # (Bt, N, hk, d) into (Bt, hk, C, d)
     values[rows, :, slots] = v
-    o = attend_upto(q, keys, values, slots, attn.scaling)
-    x = x + attn.o_proj(o)
-    gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, dim=-1)
-    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)                         # (Bt, N, H)
+    return q                                                                            # (Bt, N, h, d)
+
+
+if triton is not None:
+    @triton.jit
+    def _heads_into_place(QKV, Cos, Sin, Slots, QNormW, KNormW, Q, K, V, N, sxr, scr, ssb, ssn,
+                          skb, skh, sks, svb, svh, svs, eps, HQ: tl.constexpr, HK: tl.constexpr,
+                          D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+        """One (projection row r = b·N + n, head of [q; k; v]): v stored at the row's slot as it is; q and
+        k normalised (NORM: weight · (x/rms(x)) rounded as Qwen3RMSNorm rounds) and rotated,
+        x·cos + rotate_half(x)·sin in fp32 rounded once (as inductor fuses it), into q or the keys."""
+        r, head = tl.program_id(0), tl.program_id(1)
+        b, n = r // N, r % N
+        lo = tl.arange(0, HALF)                                                         # a half head: rotate_half's halves
+        ok, hi = lo < D // 2, lo + D // 2
+        src = QKV + r * sxr + head * D
+        slot = tl.load(Slots + b * ssb + n * ssn)
+        if head >= HQ + HK:
+            dst = V + b * svb + (head - HQ - HK) * svh + slot * svs
+            tl.store(dst + lo, tl.load(src + lo, mask=ok), mask=ok)
+            tl.store(dst + hi, tl.load(src + hi, mask=ok), mask=ok)
+        else:
+            dtype = Q.dtype.element_ty
+            x_lo = tl.load(src + lo, mask=ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(src + hi, mask=ok, other=0.0).to(tl.float32)
+            if NORM:
+                rstd = 1.0 / tl.sqrt((tl.sum(x_lo * x_lo, 0) + tl.sum(x_hi * x_hi, 0)) / D + eps)
+                W = QNormW if head < HQ else KNormW
+                w_lo = tl.load(W + lo, mask=ok, other=0.0).to(tl.float32)
+                w_hi = tl.load(W + hi, mask=ok, other=0.0).to(tl.float32)
+                x_lo = (w_lo * (x_lo * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                x_hi = (w_hi * (x_hi * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            c_lo = tl.load(Cos + r * scr + lo, mask=ok, other=0.0).to(tl.float32)
+            c_hi = tl.load(Cos + r * scr + hi, mask=ok, other=0.0).to(tl.float32)
+            s_lo = tl.load(Sin + r * scr + lo, mask=ok, other=0.0).to(tl.float32)
+            s_hi = tl.load(Sin + r * scr + hi, mask=ok, other=0.0).to(tl.float32)
+            out_lo, out_hi = (x_lo * c_lo - x_hi * s_lo).to(dtype), (x_hi * c_hi + x_lo * s_hi).to(dtype)
+            if head < HQ:
+                dst = Q + r * (HQ * D) + head * D
+            else:
+                dst = K + b * skb + (head - HQ) * skh + slot * sks
+            tl.store(dst + lo, out_lo, mask=ok)
+            tl.store(dst + hi, out_hi, mask=ok)
+
+
+def triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots):
+    """`heads_into_place` as one Triton kernel, a program per (row, head): nothing between the [q; k; v]
+    matmul and attention is written but q and the K/V slots."""
+    (Bt, N, width), hk, d = qkv_rows.shape, keys.shape[1], keys.shape[3]
+    h = width // d - 2 * hk
+    qkv_rows, cos, sin = (t if t.is_contiguous() else t.contiguous() for t in (qkv_rows, cos, sin))
+    q = torch.empty(Bt, N, h, d, dtype=qkv_rows.dtype, device=qkv_rows.device)       # (Bt, N, h, d)
+    norm = hasattr(attn, "q_norm")
+    q_weight, k_weight = (attn.q_norm.weight, attn.k_norm.weight) if norm else (q, q)   # unread without norms
+    _heads_into_place[(Bt * N, h + 2 * hk)](
+        qkv_rows, cos, sin, slots, q_weight, k_weight, q, keys, values, N, width, d, slots.stride(0),
+        slots.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
+        values.stride(2), attn.q_norm.variance_epsilon if norm else 0.0, HQ=h, HK=hk, D=d,
+        HALF=triton.next_power_of_2(d // 2), NORM=norm, num_warps=1)
+    return q
 
 
 class DenseTarget:
@@ -287,12 +359,11 @@ def attend(q, keys, values, mask, scale: float):
 
 def attend_upto(q, keys, values, last, scale: float):
     """Causal attention by buffer slot: q (Bt, N, h, d), the query at [b, n] seeing row b's key slots
-    0..last[b, n], of keys/values (Bt, hk, S, d) -> (Bt, N, h·d). For many rows on CUDA, a Triton
-    kernel that reads each row's K/V only up to its queries' last slot (`triton_attend_upto`), where a
-    mask would read every row to the longest; elsewhere, and for float64, its plain-torch twin: `attend`
-    under the mask slot <= last. At batch 1 (the Decoder) the compiled twin measured 4% faster than the
-    kernel on the H200 (SmolLM2-135M shapes: 1.20 against 1.25 ms a token)."""
-    if q.is_cuda and triton is not None and q.dtype != torch.float64 and q.shape[0] > 1:
+    0..last[b, n], of keys/values (Bt, hk, S, d) -> (Bt, N, h·d). On CUDA a Triton kernel that reads
+    each row's K/V only up to its queries' last slot (`triton_attend_upto`), where a mask reads all S
+    slots of every row, and writes (Bt, N, h·d) as o_proj takes it; elsewhere, and for float64, its
+    plain-torch twin: `attend` under the mask slot <= last."""
+    if q.is_cuda and triton is not None and q.dtype != torch.float64:
         return triton_attend_upto(q, keys, values, last, scale)
     mask = torch.arange(keys.shape[-2], device=q.device) <= last[..., None]            # (Bt, N, S)
     return attend(q, keys, values, mask, scale)
@@ -302,11 +373,13 @@ PROGRAMS = 512   # split K/V spans until about this many programs run (an H200 h
 
 if triton is not None:
     @triton.jit
-    def _attend_upto_split(Q, K, V, Last, Opart, Mpart, Lpart, sqb, sqn, sqh, skb, skh, sks, svb, svh, svs,
-                           slb, sln, N, S, d, split_len, scale, HK: tl.constexpr, G: tl.constexpr,
-                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def _attend_upto_split(Q, K, V, Last, Opart, Mpart, Lpart, Out, sqb, sqn, sqh, skb, skh, sks, svb, svh, svs,
+                           slb, sln, sob, son, soh, N, S, d, split_len, scale, HK: tl.constexpr, G: tl.constexpr,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                           ONE_SPAN: tl.constexpr):
         """One (row b, K/V head, block of query rows, span of slots): the unnormalised softmax·V of its
-        queries over the slots of its span up to each query's last, with their running max and sum.
+        queries over the slots of its span up to each query's last, with their running max and sum;
+        with ONE_SPAN (a span is all slots) the normalised softmax·V, into Out, and no merge follows.
         Query rows are n·G + j (query n, head j of the G sharing this K/V head), so K/V are read once."""
         bh, mb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kh, splits, M = bh // HK, bh % HK, tl.num_programs(2), N * G
@@ -345,10 +418,15 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        part = (bh * splits + split) * M + rows                                          # into (Bt·hk, splits, M)
-        tl.store(Mpart + part, m_i, mask=row_ok)
-        tl.store(Lpart + part, l_i, mask=row_ok)
-        tl.store(Opart + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
+        if ONE_SPAN:
+            tl.store(Out + b * sob + n[:, None] * son + (kh * G + j)[:, None] * soh + dims[None, :],
+                     (acc / tl.where(row_ok, l_i, 1.0)[:, None]).to(Out.dtype.element_ty),   # l_i >= 1 on a real row
+                     mask=row_ok[:, None] & dim_ok[None, :])
+        else:
+            part = (bh * splits + split) * M + rows                                      # into (Bt·hk, splits, M)
+            tl.store(Mpart + part, m_i, mask=row_ok)
+            tl.store(Lpart + part, l_i, mask=row_ok)
+            tl.store(Opart + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit
     def _attend_upto_combine(Opart, Mpart, Lpart, Out, sob, son, soh, N, d, splits, HK: tl.constexpr,
@@ -379,9 +457,9 @@ if triton is not None:
 
 
 def triton_attend_upto(q, keys, values, last, scale: float):
-    """`attend_upto` as two Triton kernels (split-K/V, then the merge of the spans): scores and
-    softmax in fp32 registers, never written out; p in the working dtype for p·V, as `attend` has it.
-    Spans are split only where rows × heads give too few programs (batch-1 decoding)."""
+    """`attend_upto` as Triton kernels (split-K/V, then the merge of the spans): scores and softmax in
+    fp32 registers, never written out; p in the working dtype for p·V, as `attend` has it. Spans are
+    split only where rows × heads give too few programs (batch-1 decoding); one span needs no merge."""
     Bt, N, h, d = q.shape
     hk, S = keys.shape[1], keys.shape[2]
     G, M = h // hk, N * h // hk
@@ -391,15 +469,17 @@ def triton_attend_upto(q, keys, values, last, scale: float):
     splits = max(1, min(triton.cdiv(S, BLOCK_N), PROGRAMS // (Bt * hk * m_blocks)))
     split_len = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(S, split_len)
-    opart = torch.empty(Bt * hk, splits, M, D, dtype=torch.float32, device=q.device)   # (Bt·hk, splits, M, D)
+    opart = torch.empty(Bt * hk, splits, M, D, dtype=torch.float32, device=q.device)    # (Bt·hk, splits, M, D)
     mpart = torch.empty(Bt * hk, splits, M, dtype=torch.float32, device=q.device)
     lpart = torch.empty_like(mpart)
     out = torch.empty(Bt, N, h, d, dtype=q.dtype, device=q.device)                     # (Bt, N, h, d)
     _attend_upto_split[(Bt * hk, m_blocks, splits)](
-        q, keys, values, last, opart, mpart, lpart, q.stride(0), q.stride(1), q.stride(2),
+        q, keys, values, last, opart, mpart, lpart, out, q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        last.stride(0), last.stride(1), N, S, d, split_len, scale,
-        HK=hk, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
+        last.stride(0), last.stride(1), out.stride(0), out.stride(1), out.stride(2), N, S, d, split_len, scale,
+        HK=hk, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, ONE_SPAN=splits == 1)
+    if splits == 1:
+        return out.view(Bt, N, h * d)
     _attend_upto_combine[(Bt * hk, m_blocks)](
         opart, mpart, lpart, out, out.stride(0), out.stride(1), out.stride(2), N, d, splits,
         HK=hk, G=G, D=D, BLOCK_M=BLOCK_M)

@@ -1802,8 +1802,9 @@ KERNEL_CASES = [   # (Bt, N, h, hk, d, S): SmolLM2-135M and Qwen3-8B heads, deco
 
 
 def kernel_errors(device: str, dtypes) -> dict:
-    """Max |triton_attend_upto - attend in float64| per case and dtype, K/V in (Bt, hk, S + 32, d)
-    buffers sliced to S (as dense_layer passes them), every row's last slots drawn at random."""
+    """Max |triton_attend_upto - attend in float64| per case, dtype and partition (PROGRAMS as set, and
+    1: one span, normalised in the split kernel, no merge), K/V in (Bt, hk, S + 32, d) buffers sliced
+    to S (as dense_layer passes them), every row's last slots drawn at random."""
     g = torch.Generator().manual_seed(0)
     errors = {}
     for case in KERNEL_CASES:
@@ -1812,11 +1813,71 @@ def kernel_errors(device: str, dtypes) -> dict:
             q = torch.randn(Bt, N, h, d, generator=g).to(device, dtype)
             keys, values = (torch.randn(Bt, hk, S + 32, d, generator=g).to(device, dtype) for _ in range(2))
             last = torch.randint(0, S, (Bt, N), generator=g).to(device)
-            got = fastpath.triton_attend_upto(q, keys[:, :, :S], values[:, :, :S], last, d ** -0.5)
             mask = torch.arange(S, device=device) <= last[..., None]
             want = fastpath.attend(q.double(), keys[:, :, :S].double(), values[:, :, :S].double(), mask, d ** -0.5)
-            errors[f"{case} {dtype}"] = (got.double() - want).abs().max().item()
+            for programs in (fastpath.PROGRAMS, 1):
+                with mock.patch.object(fastpath, "PROGRAMS", programs):
+                    got = fastpath.triton_attend_upto(q, keys[:, :, :S], values[:, :, :S], last, d ** -0.5)
+                errors[f"{case} programs={programs} {dtype}"] = (got.double() - want).abs().max().item()
     return errors
+
+
+HEADS_CASES = [   # (Bt, N, h, hk, d, C, Qwen3's q/k norms): SmolLM2-135M, Qwen3-8B, small, and d 80 (half not a power of 2)
+    (1, 16, 9, 3, 64, 1024, False), (3, 1, 9, 3, 64, 300, False), (1, 16, 32, 8, 128, 1024, True),
+    (2, 5, 32, 8, 128, 200, True), (2, 3, 4, 2, 8, 40, True), (1, 4, 2, 1, 80, 30, False)]
+
+
+def heads_kernel_errors(device: str, dtypes) -> dict:
+    """Per case and dtype: the max errors against the twin in float64 of triton_heads_into_place and of
+    the twin in the same dtype (q, and the K/V slots written), the largest value, and whether every
+    slot the rows do not own was left as it was."""
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+    g = torch.Generator().manual_seed(0)
+    errors = {}
+    for case in HEADS_CASES:
+        Bt, N, h, hk, d, C, norm = case
+        attn = torch.nn.Module()
+        if norm:
+            attn.q_norm, attn.k_norm = qwen3.Qwen3RMSNorm(d, 1e-6), qwen3.Qwen3RMSNorm(d, 1e-6)
+            for m in (attn.q_norm, attn.k_norm):
+                m.weight.data = 1 + 0.3 * torch.randn(d, generator=g)
+        qkv = torch.randn(Bt, N, (h + 2 * hk) * d, generator=g)
+        angles = 100 * torch.rand(Bt, N, d // 2, generator=g).repeat(1, 1, 2)               # (Bt, N, d), as rotary_emb
+        slots = torch.stack([torch.randperm(C, generator=g)[:N] for _ in range(Bt)]).to(device)
+        background = torch.randn(2, Bt, hk, C, d, generator=g)                           # what the buffers held before
+
+        def run(fn, dtype):
+            module = attn.to(device, dtype) if norm else attn
+            keys, values = (background[i].to(device, dtype).clone() for i in range(2))
+            q = fn(module, qkv.to(device, dtype), keys, values, angles.cos().to(device, dtype),
+                   angles.sin().to(device, dtype), slots)
+            return q.double(), keys.double(), values.double()
+
+        twin = lambda *a: fastpath.heads_into_place(a[0], qwen3.apply_rotary_pos_emb, *a[1:])
+        want = run(twin, torch.float64)
+        for dtype in dtypes:
+            got = run(fastpath.triton_heads_into_place, dtype)
+            plain = run(twin, dtype)
+            owned = torch.zeros(Bt, C, dtype=torch.bool, device=device)
+            owned[torch.arange(Bt, device=device)[:, None], slots] = True
+            kept = all(torch.equal(t.movedim(2, 1)[~owned], background[i].to(device, dtype).double().movedim(2, 1)[~owned])
+                       for i, t in enumerate(got[1:]))
+            errors[f"{case} {dtype}"] = dict(
+                kernel=max((a - b).abs().max().item() for a, b in zip(got, want)),
+                twin=max((a - b).abs().max().item() for a, b in zip(plain, want)),
+                largest=max(t.abs().max().item() for t in want), kept=kept,
+                values_exact=torch.equal(got[2], plain[2]))
+    return errors
+
+
+def check_heads_kernel(errors: dict):
+    """Every slot not written is kept, v is copied exactly, and the kernel's error against float64 is
+    within 2× the twin's own error in the same dtype plus 1e-6 of the largest value (the kernel rounds
+    RoPE once, in fp32, where the eager twin rounds each product)."""
+    assert errors
+    for key, e in errors.items():
+        assert e["kept"] and e["values_exact"], key
+        assert e["kernel"] <= 2 * e["twin"] + 1e-6 * e["largest"], (key, e)
 
 
 KERNEL_TOLERANCE = {torch.float32: 2e-6, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -1834,9 +1895,33 @@ def test_attend_upto_kernel_under_the_triton_interpreter():
                          cwd=Path(__file__).parent, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     errors = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(errors) == 2 * len(KERNEL_CASES)
+    assert len(errors) == 2 * 2 * len(KERNEL_CASES)
     for key, error in errors.items():
         assert error < KERNEL_TOLERANCE[torch.float16 if "float16" in key else torch.float32], (key, error)
+
+
+def test_heads_kernel_under_the_triton_interpreter():
+    """fastpath's one kernel between the [q; k; v] matmul and attention (per-head norms, RoPE, the K/V
+    writes), run by Triton's CPU interpreter in fp32 and fp16 at both shapes' head sizes, against the
+    model's own modules (`check_heads_kernel`)."""
+    pytest.importorskip("triton")
+    code = ("import json, torch, test_dflash; print(json.dumps(test_dflash.heads_kernel_errors('cpu', "
+            "[torch.float32, torch.float16])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parent, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(errors) == 2 * len(HEADS_CASES)
+    check_heads_kernel(errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_heads_kernel_on_cuda():
+    """The same on the GPU, in fp32, fp16 and bf16."""
+    errors = heads_kernel_errors("cuda", [torch.float32, torch.float16, torch.bfloat16])
+    print(errors)
+    check_heads_kernel(errors)
 
 
 @pytest.mark.gpu

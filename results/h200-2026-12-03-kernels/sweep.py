@@ -1,0 +1,117 @@
+"""The part of a target layer between the [q; k; v] matmul and o_proj, at batch 1, on the H200:
+fastpath's previous way (the model's q/k norms and RoPE, index writes into K/V, the masked softmax
+`attend` over all C slots, compiled by inductor) against the Triton kernels (`heads_into_place`, then
+`triton_attend_upto` at several span counts), each compiled (fullgraph, static shapes) and replayed
+as one CUDA graph over L layers of distinct buffers. Prints a table, writes JSON.
+
+    python results/h200-2026-12-03-kernels/sweep.py --out sweep.json
+"""
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import fastpath   # noqa: E402
+import transformers.models.qwen3.modeling_qwen3 as qwen3   # noqa: E402
+
+SHAPES = {"smollm2-135m": dict(h=9, hk=3, d=64, layers=30, norm=False),
+          "qwen3-8b": dict(h=32, hk=8, d=128, layers=36, norm=True)}
+C, CONTEXT = 1024, 640   # bench.py's capacity at prompt 512 + 256 new, and its mid-generation context
+
+
+def before(attn, qkv_rows, keys, values, cos, sin, slots):
+    """fastpath before the kernels: heads_into_place's twin (traced with fastpath.triton = None), then
+    attend under the mask slot <= last."""
+    q = fastpath.heads_into_place(attn, qwen3.apply_rotary_pos_emb, qkv_rows, keys, values, cos, sin, slots)
+    mask = torch.arange(keys.shape[-2], device=q.device) <= slots[..., None]
+    return fastpath.attend(q, keys, values, mask, attn.scaling)
+
+
+def after(attn, qkv_rows, keys, values, cos, sin, slots):
+    q = fastpath.triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots)
+    return fastpath.triton_attend_upto(q, keys, values, slots, attn.scaling)
+
+
+def measure(fn, layer_args, programs=None):
+    torch._dynamo.reset()
+    no_triton = mock.patch.object(fastpath, "triton", None) if fn is before else mock.patch.object(fastpath, "triton", fastpath.triton)
+    with mock.patch.object(fastpath, "PROGRAMS", programs or fastpath.PROGRAMS), no_triton:
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        run = lambda: [compiled(*a) for a in layer_args]
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    times = []
+    for i in range(55):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) * 1e3 / len(layer_args))
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per = 10 * len(layer_args)
+    return dict(us_per_layer=statistics.median(times), kernels_per_layer=len(kernels) / per,
+                kernel_us_per_layer=sum(e.device_time for e in kernels) / per,
+                names={n[:80]: c / per for n, c in Counter(e.name for e in kernels).most_common()})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    results = []
+    for shape_name, s in SHAPES.items():
+        attn = torch.nn.Module()
+        attn.scaling = s["d"] ** -0.5
+        if s["norm"]:
+            attn.q_norm, attn.k_norm = qwen3.Qwen3RMSNorm(s["d"]), qwen3.Qwen3RMSNorm(s["d"])
+            attn.to("cuda", torch.bfloat16)
+        for N in (1, 16):
+            width = (s["h"] + 2 * s["hk"]) * s["d"]
+            slots = CONTEXT + torch.arange(N, device="cuda")[None]                       # (1, N)
+            angles = torch.rand(1, N, s["d"] // 2, device="cuda").repeat(1, 1, 2)
+            cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+            layer_args = [(attn, torch.randn(1, N, width, device="cuda", dtype=torch.bfloat16),
+                           torch.randn(1, s["hk"], C, s["d"], device="cuda", dtype=torch.bfloat16),
+                           torch.randn(1, s["hk"], C, s["d"], device="cuda", dtype=torch.bfloat16), cos, sin, slots)
+                          for _ in range(s["layers"])]
+            M = N * s["h"] // s["hk"]
+            m_blocks = -(-M // (16 if M <= 16 else 64))
+            variants = [("before: twin + masked attend", before, None)] + [
+                (f"after: kernels, {splits} span{'s' if splits > 1 else ''}", after, splits * s["hk"] * m_blocks)
+                for splits in (1, 2, 4, 8, 16)] + [("after: kernels, PROGRAMS as set", after, None)]
+            for name, fn, programs in variants:
+                try:
+                    r = measure(fn, layer_args, programs)
+                except Exception as err:   # a variant that fails is reported, the sweep goes on
+                    r = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+                r.update(shape=shape_name, rows=N, variant=name, programs=programs)
+                results.append(r)
+                print(f"{shape_name:<14}{N:>4} rows  {name:<34}" + (
+                    f"{r['us_per_layer']:8.2f} us/layer {r['kernels_per_layer']:5.1f} kernels "
+                    f"{r['kernel_us_per_layer']:7.2f} us kernel time" if "error" not in r else r["error"]), flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(dict(
+                        conditions=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, C=C, context=CONTEXT,
+                                        dtype="bfloat16", PROGRAMS=fastpath.PROGRAMS), results=results), indent=2))
+
+
+if __name__ == "__main__":
+    main()
