@@ -2031,6 +2031,23 @@ def test_compiled_head_chunk_equals_eager_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_loss_waits_for_its_own_step_only():
+    """A queued step's loss (train.StepLoss) is read back once its own kernels are done, while about a
+    second of GPU work queued after it still runs; a plain .item() waits for that work too."""
+    loss = torch.full((), 3.0, device="cuda") * 2
+    pending = train.StepLoss(loss)
+    torch.cuda._sleep(2_000_000_000)                                               # ~1 s at the H200's clock
+    t0 = time.perf_counter()
+    assert pending.item() == 6.0
+    own = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert loss.item() == 6.0
+    plain = time.perf_counter() - t0
+    assert own < 0.2 < plain, (own, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_head_chunk_on_cuda():
     """The compiled head loss chunk on CUDA at SmolLM2's vocabulary, bf16 logits as training runs them
     (a full chunk and a short last one): its error against float64 autograd stays within twice the eager

@@ -848,6 +848,24 @@ def reads_back_late(device) -> bool:
     return device.type == "cuda"
 
 
+class StepLoss:
+    """A queued step's loss on its way to the host. On CUDA it is a non-blocking copy into pinned memory
+    and an event recorded behind the step's kernels, so that waiting for it waits for this step alone:
+    a plain .item() would queue its copy behind every step queued since, and charge their time to this one."""
+
+    def __init__(self, loss):
+        self.host, self.done = loss.detach(), None
+        if loss.is_cuda:
+            self.host = torch.empty((), dtype=loss.dtype, pin_memory=True).copy_(self.host, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def item(self) -> float:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.item()
+
+
 def lr_factor(step: int, total: int, warmup_steps: int) -> float:
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -936,7 +954,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     def read_back(pending):
         nonlocal ended, overhead, tau
         entry, loss, drawn, flops = pending
-        entry["loss"] = loss.item()   # waits for the step
+        entry["loss"] = loss.item()   # waits for the step (a StepLoss: for this step only)
         now = time.perf_counter()
         seconds, ended = now - ended, now
         if entry["step"] == 1:
@@ -992,7 +1010,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                     optimizer.step()
                     schedule.step()
                     step += 1
-                    before, queued = queued, ({"step": step, "lr": schedule.get_last_lr()[0]}, loss.detach(), drawn,
+                    before, queued = queued, ({"step": step, "lr": schedule.get_last_lr()[0]}, StepLoss(loss), drawn,
                                               step_flops(drafter, target, blocks, features.shape[1]))
                     if before:   # read back while this step runs
                         read_back(before)
