@@ -1,10 +1,9 @@
 #!/bin/bash
-# Call 2: bench.py before the kernels (the previous commit's files, carried in .carry/old) at SmolLM2-135M's
-# shapes, then bench.py (new) at Qwen3-8B's.
+# Call 2: bench.py at Qwen3-8B's shapes with the kernels, then fastpath's graphed GPU tests in the time left.
+T0=$(date +%s); left() { echo $(( ${END:-585} - $(date +%s) + T0 )); }
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONUNBUFFERED=1
-(cd .carry/old && timeout 230 python3 bench.py --shape smollm2-135m --skip dflash-ref,hf-eager,hf-static-compile \
-  --profile --out $OUT/before-bench-smollm2-135m.json > $OUT/before-bench-smollm2-135m.log 2>&1; echo "before bench rc=$?")
-grep -E "^(fast|  fast)|per layer|layer,|profile:" $OUT/before-bench-smollm2-135m.log | head -12
 timeout 330 python3 bench.py --shape qwen3-8b --skip dflash-ref,hf-eager,hf-static-compile --profile \
-  --out $OUT/bench-qwen3-8b.json > $OUT/bench-qwen3-8b.log 2>&1; echo "bench rc=$?"
-grep -E "^(fast|  fast)|per layer|layer,|profile:|floors" $OUT/bench-qwen3-8b.log | head -12
+  --out $OUT/bench-qwen3-8b.json > $OUT/bench-qwen3-8b.log 2>&1; echo "bench rc=$? at $(( $(date +%s) - T0 ))s"
+grep -E "^(fast|  fast)|layer,|profile:|floors" $OUT/bench-qwen3-8b.log
+timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu -k "not heads_kernel and not attend_upto_kernel" test_dflash.py \
+  > $OUT/gpu-tests.log 2>&1; echo "gpu tests rc=$? at $(( $(date +%s) - T0 ))s"; tail -6 $OUT/gpu-tests.log
