@@ -209,14 +209,14 @@ def layer_profiles(dec, context: int) -> dict:
         out[f"target layer, {rows} row{'s' if rows > 1 else ''}"] = layer_profile(lambda: fastpath.dense_layer(
             layer, stack.apply_rotary, stack.qkv[0], stack.gate_up[0], stack.batch_keys[0][:1],
             stack.batch_values[0][:1], x, cos, sin, slots))
-    module, W, C = dec.fused.module, dec.fused.module.config.block_size, dec.capacity
+    module, W = dec.fused.module, dec.fused.module.config.block_size
     x = torch.randn(W, H, device=device, dtype=torch.bfloat16)                           # (W, H)
     positions = context + torch.arange(W, device=device)
     table = module.rope_tables(positions, x.dtype)[module.layers[0].self_attn.rope_theta]
-    mask = torch.cat([torch.arange(C, device=device) < context, torch.ones(W, dtype=torch.bool, device=device)])
-    mask = mask[None].expand(W, C + W)                                                   # (W, C+W)
+    first, last = fastpath.visible_slots(positions, module.layers[0].causal, module.layers[0].window)
     out[f"drafter layer, {W} rows"] = layer_profile(lambda: fastpath.draft_layer(
-        module.layers[0], dec.fused.gate_up[0], dec.buf.ctx_keys[0], dec.buf.ctx_values[0], x, table, mask))
+        module.layers[0], dec.fused.gate_up[0], dec.buf.ctx_keys[0], dec.buf.ctx_values[0], x, table,
+        positions, first, last))
     return out
 
 

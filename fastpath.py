@@ -67,8 +67,8 @@ class Buffers:
     # buffer is lowered to a copy of the whole buffer, per layer.
     target_keys: list[torch.Tensor]    # T × (hk, C, d)  the target's keys after its norms and RoPE
     target_values: list[torch.Tensor]  # T × (hk, C, d)
-    ctx_keys: list[torch.Tensor]       # L × (hk, C, d)  the drafter's context keys after k_norm and RoPE
-    ctx_values: list[torch.Tensor]     # L × (hk, C, d)
+    ctx_keys: list[torch.Tensor]       # L × (hk, C+W, d) the drafter's context keys after k_norm and RoPE;
+    ctx_values: list[torch.Tensor]     # L × (hk, C+W, d) while a block drafts, its own k/v at its slots
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.start, self.max_accept, self.uniforms, self.verify_ids, self.result, *self.target_keys,
@@ -335,12 +335,6 @@ def append_context(drafter: FusedDrafter, buf: Buffers, c, positions):
         buf.ctx_values[l].index_copy_(1, positions, v)
 
 
-def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
-    """dflash.attention_mask, always as a tensor (fixed shapes need one even for no masking)."""
-    mask = dflash.attention_mask(q_pos, k_pos, causal, window)
-    return torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device) if mask is None else mask
-
-
 def attend(q, keys, values, mask, scale: float):
     """Masked softmax attention of q (*, N, h, d) over keys/values (*, hk, S, d), mask (*, N, S) -> (*, N, h·d),
     for any leading batch dims *. The g query heads of each K/V head are stacked as rows, so K/V are read
@@ -357,15 +351,18 @@ def attend(q, keys, values, mask, scale: float):
     return o.view(*batch, hk, g, N, d).movedim(-2, -4).reshape(*batch, N, h * d)        # (*, N, h·d)
 
 
-def attend_upto(q, keys, values, last, scale: float):
-    """Causal attention by buffer slot: q (Bt, N, h, d), the query at [b, n] seeing row b's key slots
-    0..last[b, n], of keys/values (Bt, hk, S, d) -> (Bt, N, h·d). On CUDA a Triton kernel that reads
-    each row's K/V only up to its queries' last slot (`triton_attend_upto`), where a mask reads all S
-    slots of every row, and writes (Bt, N, h·d) as o_proj takes it; elsewhere, and for float64, its
-    plain-torch twin: `attend` under the mask slot <= last."""
+def attend_upto(q, keys, values, last, scale: float, first=None):
+    """Attention by buffer slot: q (Bt, N, h, d), the query at [b, n] seeing row b's key slots
+    first[b, n]..last[b, n] (from 0 without `first`), of keys/values (Bt, hk, S, d) -> (Bt, N, h·d).
+    On CUDA a Triton kernel that reads each row's K/V only from its queries' first slot to their last
+    (`triton_attend_upto`), where a mask reads all S slots of every row, and writes (Bt, N, h·d) as
+    o_proj takes it; elsewhere, and for float64, its plain-torch twin: `attend` under the mask."""
     if q.is_cuda and triton is not None and q.dtype != torch.float64:
-        return triton_attend_upto(q, keys, values, last, scale)
-    mask = torch.arange(keys.shape[-2], device=q.device) <= last[..., None]            # (Bt, N, S)
+        return triton_attend_upto(q, keys, values, last, scale, first)
+    slots = torch.arange(keys.shape[-2], device=q.device)                              # (S,)
+    mask = slots <= last[..., None]                                                     # (Bt, N, S)
+    if first is not None:
+        mask &= slots >= first[..., None]
     return attend(q, keys, values, mask, scale)
 
 
@@ -373,12 +370,13 @@ PROGRAMS = 512   # split K/V spans until about this many programs run (an H200 h
 
 if triton is not None:
     @triton.jit
-    def _attend_upto_split(Q, K, V, Last, Opart, Mpart, Lpart, Out, sqb, sqn, sqh, skb, skh, sks, svb, svh, svs,
-                           slb, sln, sob, son, soh, N, S, d, split_len, scale, HK: tl.constexpr, G: tl.constexpr,
-                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                           ONE_SPAN: tl.constexpr):
+    def _attend_upto_split(Q, K, V, First, Last, Opart, Mpart, Lpart, Out, sqb, sqn, sqh, skb, skh, sks, svb, svh,
+                           svs, slb, sln, sfb, sfn, sob, son, soh, N, S, d, split_len, scale, HK: tl.constexpr,
+                           G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           IEEE: tl.constexpr, ONE_SPAN: tl.constexpr, HAS_FIRST: tl.constexpr):
         """One (row b, K/V head, block of query rows, span of slots): the unnormalised softmax·V of its
-        queries over the slots of its span up to each query's last, with their running max and sum;
+        queries over the slots of its span from each query's first (HAS_FIRST; else 0) to its last,
+        with their running max and sum;
         with ONE_SPAN (a span is all slots) the normalised softmax·V, into Out, and no merge follows.
         Query rows are n·G + j (query n, head j of the G sharing this K/V head), so K/V are read once."""
         bh, mb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -388,10 +386,14 @@ if triton is not None:
         dims = tl.arange(0, D)
         dim_ok = dims < d
         last = tl.load(Last + b * slb + n * sln, mask=row_ok, other=-1)                 # (BM,)
+        if HAS_FIRST:
+            first = tl.load(First + b * sfb + n * sfn, mask=row_ok, other=S)
+        else:
+            first = tl.zeros([BLOCK_M], tl.int64)
         q = tl.load(Q + b * sqb + n[:, None] * sqn + (kh * G + j)[:, None] * sqh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)                  # (BM, D)
-        start = split * split_len
-        end = tl.minimum(tl.minimum(start + split_len, S), tl.max(last, 0) + 1)       # slots past every last: unread
+        start = tl.maximum(split * split_len, tl.min(first, 0))                         # slots before every first: unread
+        end = tl.minimum(tl.minimum(split * split_len + split_len, S), tl.max(last, 0) + 1)   # past every last: unread
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -404,7 +406,8 @@ if triton is not None:
                 scores = tl.dot(q, k, input_precision="ieee")
             else:
                 scores = tl.dot(q, k)                                                     # (BM, BN) fp32
-            scores = tl.where(slots[None, :] <= last[:, None], (scores * scale).to(tl.float32), float("-inf"))
+            seen = (slots[None, :] <= last[:, None]) & (slots[None, :] >= first[:, None]) & slot_ok[None, :]
+            scores = tl.where(seen, (scores * scale).to(tl.float32), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: keep exp() at 0, not NaN
             p = tl.exp(scores - m_use[:, None])
@@ -456,7 +459,7 @@ if triton is not None:
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dims < d)[None, :])
 
 
-def triton_attend_upto(q, keys, values, last, scale: float):
+def triton_attend_upto(q, keys, values, last, scale: float, first=None):
     """`attend_upto` as Triton kernels (split-K/V, then the merge of the spans): scores and softmax in
     fp32 registers, never written out; p in the working dtype for p·V, as `attend` has it. Spans are
     split only where rows × heads give too few programs (batch-1 decoding); one span needs no merge."""
@@ -473,11 +476,14 @@ def triton_attend_upto(q, keys, values, last, scale: float):
     mpart = torch.empty(Bt * hk, splits, M, dtype=torch.float32, device=q.device)
     lpart = torch.empty_like(mpart)
     out = torch.empty(Bt, N, h, d, dtype=q.dtype, device=q.device)                     # (Bt, N, h, d)
+    bounds = last if first is None else first                                           # First: unread without one
     _attend_upto_split[(Bt * hk, m_blocks, splits)](
-        q, keys, values, last, opart, mpart, lpart, out, q.stride(0), q.stride(1), q.stride(2),
+        q, keys, values, bounds, last, opart, mpart, lpart, out, q.stride(0), q.stride(1), q.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        last.stride(0), last.stride(1), out.stride(0), out.stride(1), out.stride(2), N, S, d, split_len, scale,
-        HK=hk, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, ONE_SPAN=splits == 1)
+        last.stride(0), last.stride(1), bounds.stride(0), bounds.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        N, S, d, split_len, scale,
+        HK=hk, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, ONE_SPAN=splits == 1,
+        HAS_FIRST=first is not None)
     if splits == 1:
         return out.view(Bt, N, h * d)
     _attend_upto_combine[(Bt * hk, m_blocks)](
@@ -486,16 +492,18 @@ def triton_attend_upto(q, keys, values, last, scale: float):
     return out.view(Bt, N, h * d)
 
 
-def draft_layer(layer, gate_up, ctx_keys, ctx_values, x, table, mask):
-    """One drafter layer of `draft_block`: block rows x (W, H) over the layer's context keys/values
-    (hk, C, d) and their own, mask (W, C+W) -> x after the layer; [gate; up] as the fused gate_up."""
+def draft_layer(layer, gate_up, ctx_keys, ctx_values, x, table, positions, first, last):
+    """One drafter layer of `draft_block`: block rows x (W, H) at `positions` (W,), their k/v written
+    into the layer's context keys/values (hk, C+W, d) at those slots, each row seeing the slots
+    first..last (W,; from 0 where first is None) -> x after the layer; [gate; up] as the fused gate_up."""
     attn, W, d = layer.self_attn, len(x), ctx_keys.shape[-1]
     u = layer.input_layernorm(x)                                                        # (W, H)
     q, k, v = (u @ attn.qkv_proj.weight.T).view(W, -1, d).split(attn.heads, 1)          # (W, h|hk, d)
     q, k = rope(attn.q_norm(q), table), rope(attn.k_norm(k), table)
-    keys = torch.cat([ctx_keys, k.transpose(0, 1)], dim=1)                              # (hk, C+W, d)
-    values = torch.cat([ctx_values, v.transpose(0, 1)], dim=1)                          # (hk, C+W, d)
-    o = attend(q, keys, values, mask, d ** -0.5).view(W, -1, d)                        # (W, h, d)
+    ctx_keys.index_copy_(1, positions, k.transpose(0, 1))                              # (hk, W, d) at the block's slots
+    ctx_values.index_copy_(1, positions, v.transpose(0, 1))
+    o = attend_upto(q[None], ctx_keys[None], ctx_values[None], last[None], d ** -0.5,
+                    None if first is None else first[None]).view(W, -1, d)              # (W, h, d)
     if attn.g_proj is not None:
         o = dflash.gate(attn.g_proj(u), o)
     x = x + attn.o_proj(o.reshape(W, -1))                                               # (W, H)
@@ -503,19 +511,30 @@ def draft_layer(layer, gate_up, ctx_keys, ctx_values, x, table, mask):
     return x + layer.mlp.down_proj(F.silu(gate) * up)                                   # (W, H)
 
 
+def visible_slots(positions, causal: bool, window: int | None):
+    """dflash.attention_mask over the committed context and the block as one run of slots: the block
+    (W rows at `positions`) sits right after the context, so each row sees one contiguous range of
+    slots, first..last (W,) (first None: from 0)."""
+    W = len(positions)
+    last = positions if causal else positions[-1].expand(W)                             # (W,)
+    if window is None:
+        return None, last
+    if not causal:   # a window on both sides
+        last = torch.minimum(last, positions + window - 1)
+    return (positions - window + 1).clamp(min=0), last
+
+
 def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
-    """dflash.draft_block over the static context: keys are all C buffer rows plus the block, and
-    context rows at positions ≥ start (not yet committed) are masked out."""
-    W, C, device = len(block_embeds), buf.ctx_keys[0].shape[1], block_embeds.device
+    """dflash.draft_block over the static context: the block's k/v go into the context buffers at its
+    slots start..start+W-1 (past the committed context, overwritten by the next append), and each row
+    attends to a range of slots there."""
+    W, device = len(block_embeds), block_embeds.device
     positions = buf.start + torch.arange(W, device=device)                             # (W,)
-    key_positions = torch.cat([torch.arange(C, device=device), positions])             # (C+W,)
-    committed = torch.cat([torch.arange(C, device=device) < buf.start,
-                           torch.ones(W, dtype=torch.bool, device=device)])             # (C+W,)
     x, tables = block_embeds, drafter.module.rope_tables(positions, block_embeds.dtype)   # x (W, H)
     for l, layer in enumerate(drafter.module.layers):
-        mask = attention_mask(positions, key_positions, layer.causal, layer.window) & committed   # (W, C+W)
+        first, last = visible_slots(positions, layer.causal, layer.window)
         x = draft_layer(layer, drafter.gate_up[l], buf.ctx_keys[l], buf.ctx_values[l], x,
-                        tables[layer.self_attn.rope_theta], mask)                       # (W, H)
+                        tables[layer.self_attn.rope_theta], positions, first, last)     # (W, H)
     return drafter.module.norm(x)                                                       # (W, H)
 
 
@@ -585,7 +604,7 @@ class Decoder:
             self.fused = fuse_drafter(drafter)
             width = cfg.block_size if full_block else K + 1
             self.mask_ids = torch.full((width - 1,), cfg.mask_token_id, device=self.device)   # (W-1,)
-            shape, like = (cfg.num_kv_heads, capacity, cfg.head_dim), drafter.fc.weight
+            shape, like = (cfg.num_kv_heads, capacity + width, cfg.head_dim), drafter.fc.weight   # + the block
             ctx_keys, ctx_values = zeros(cfg.num_layers, shape, like), zeros(cfg.num_layers, shape, like)
         self.buf = Buffers(start=counter(), max_accept=counter(), uniforms=counter(torch.float64, K + 1),
                            verify_ids=counter(n=K + 1), result=counter(n=2 * K + 2),

@@ -1796,15 +1796,32 @@ def test_attend_upto_is_causal_attention_by_slot():
             torch.testing.assert_close(got[b, n], want, rtol=1e-5, atol=1e-6)   # softmax in fp32, as attend has it
 
 
+def test_visible_slots_are_the_reference_mask():
+    """fastpath.visible_slots gives, for every row of a block drafted right after `start` committed
+    positions, the slots that dflash.attention_mask lets it see, as one range first..last."""
+    for causal in (True, False):
+        for window in (None, 1, 3, 40):
+            for start in (0, 5, 30):
+                for W in (1, 4, 16):
+                    positions = start + torch.arange(W)                                  # (W,)
+                    keys = torch.arange(start + W)                                       # context and block
+                    want = dflash.attention_mask(positions, keys, causal, window)
+                    want = torch.ones(W, start + W, dtype=torch.bool) if want is None else want
+                    first, last = fastpath.visible_slots(positions, causal, window)
+                    got = (keys <= last[:, None]) & (keys >= (0 if first is None else first[:, None]))
+                    assert torch.equal(got, want), (causal, window, start, W)
+
+
 KERNEL_CASES = [   # (Bt, N, h, hk, d, S): SmolLM2-135M and Qwen3-8B heads, decode / verify / prefill queries
     (5, 1, 9, 3, 64, 300), (1, 16, 9, 3, 64, 1024), (2, 64, 9, 3, 64, 256),
     (3, 1, 32, 8, 128, 200), (1, 16, 32, 8, 128, 1024), (2, 3, 4, 2, 8, 40)]
 
 
 def kernel_errors(device: str, dtypes) -> dict:
-    """Max |triton_attend_upto - attend in float64| per case, dtype and partition (PROGRAMS as set, and
-    1: one span, normalised in the split kernel, no merge), K/V in (Bt, hk, S + 32, d) buffers sliced
-    to S (as dense_layer passes them), every row's last slots drawn at random."""
+    """Max |triton_attend_upto - attend in float64| per case, dtype, partition (PROGRAMS as set, and
+    1: one span, normalised in the split kernel, no merge) and lower bound (none, or a first slot per
+    query, as a drafter's window has it), K/V in (Bt, hk, S + 32, d) buffers sliced to S (as
+    dense_layer passes them), every row's last and first slots drawn at random."""
     g = torch.Generator().manual_seed(0)
     errors = {}
     for case in KERNEL_CASES:
@@ -1813,12 +1830,16 @@ def kernel_errors(device: str, dtypes) -> dict:
             q = torch.randn(Bt, N, h, d, generator=g).to(device, dtype)
             keys, values = (torch.randn(Bt, hk, S + 32, d, generator=g).to(device, dtype) for _ in range(2))
             last = torch.randint(0, S, (Bt, N), generator=g).to(device)
-            mask = torch.arange(S, device=device) <= last[..., None]
-            want = fastpath.attend(q.double(), keys[:, :, :S].double(), values[:, :, :S].double(), mask, d ** -0.5)
-            for programs in (fastpath.PROGRAMS, 1):
-                with mock.patch.object(fastpath, "PROGRAMS", programs):
-                    got = fastpath.triton_attend_upto(q, keys[:, :, :S], values[:, :, :S], last, d ** -0.5)
-                errors[f"{case} programs={programs} {dtype}"] = (got.double() - want).abs().max().item()
+            first = (last - torch.randint(0, S, (Bt, N), generator=g).to(device)).clamp(min=0)   # a window's start
+            slots = torch.arange(S, device=device)
+            for lower in (None, first):
+                mask = (slots <= last[..., None]) & (slots >= (0 if lower is None else lower[..., None]))
+                want = fastpath.attend(q.double(), keys[:, :, :S].double(), values[:, :, :S].double(), mask, d ** -0.5)
+                for programs in (fastpath.PROGRAMS, 1):
+                    with mock.patch.object(fastpath, "PROGRAMS", programs):
+                        got = fastpath.triton_attend_upto(q, keys[:, :, :S], values[:, :, :S], last, d ** -0.5, lower)
+                    errors[f"{case} programs={programs} first={lower is not None} {dtype}"] = \
+                        (got.double() - want).abs().max().item()
     return errors
 
 
@@ -1895,7 +1916,7 @@ def test_attend_upto_kernel_under_the_triton_interpreter():
                          cwd=Path(__file__).parent, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     errors = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(errors) == 2 * 2 * len(KERNEL_CASES)
+    assert len(errors) == 2 * 2 * 2 * len(KERNEL_CASES)
     for key, error in errors.items():
         assert error < KERNEL_TOLERANCE[torch.float16 if "float16" in key else torch.float32], (key, error)
 
