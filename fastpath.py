@@ -16,11 +16,15 @@ names. Every difference from dflash.py:
     K/V in the static buffers); any other target (Laguna's MoE, sliding windows, biases) runs its
     own forward over transformers' static cache (`ModelTarget`), whose capture hooks are registered
     once per Decoder and removed by `close()`;
-  - attention: `attend`, a masked softmax over all C buffer positions with grouped heads (K/V never
-    repeated), scores in the working dtype and softmax in fp32 as transformers' eager attention,
-    where dflash.py calls SDPA over the committed positions only. The target's layers attend by slot
-    (`attend_upto`: a query sees its row's slots up to its own); with many rows on CUDA (train's
-    BatchDecoder) that is a Triton kernel reading each row only up to its length;
+  - attention by buffer slot (`attend_upto`: a query sees one range of slots, up to its own in the
+    target, the committed context and the block in the drafter, whose block k/v are written into the
+    context buffers at the block's slots), with grouped heads (K/V never repeated), where dflash.py
+    calls SDPA over the committed positions only. On CUDA it is a Triton kernel that reads K/V only
+    over that range, scores and softmax in fp32 registers; elsewhere its twin `attend`, a masked
+    softmax over all buffer slots, scores in the working dtype and softmax in fp32 as transformers'
+    eager attention;
+  - a target layer's heads: on CUDA one Triton kernel takes the [q; k; v] rows to rotated q and the
+    K/V slots (`heads_into_place`: Qwen3's q/k norms, RoPE, the writes); elsewhere the model's modules;
   - prefill: eager, PREFILL_CHUNK positions at a time (so attention scores stay chunk × C);
   - compiled steps: on CUDA the draft part and the verify part (capture, acceptance, context
     append) are each compiled with fullgraph=True and captured as a CUDA graph on first use. A
