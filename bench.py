@@ -175,25 +175,35 @@ def profile_eager(name: str, run, steps: int):
 
 
 def layer_profile(run, steps=20) -> dict:
-    """One layer's call `run()`, compiled (fullgraph) and captured as a CUDA graph: its kernels per
-    call, their names, the kernel time and the replay time (CUDA events, median of 50)."""
-    from collections import Counter
-    from torch.profiler import ProfilerActivity, profile
+    """One layer's call `run()`, compiled (fullgraph) and captured as a CUDA graph: `graph_profile`."""
     compiled = torch.compile(run, fullgraph=True, dynamic=False)   # static shapes, as the Decoder's graphs
+    return graph_profile(captured(compiled), steps)
+
+
+def captured(run) -> torch.cuda.CUDAGraph:
+    """`run()` after 3 warm-up calls (compiles, autotuning), captured as a CUDA graph."""
     for _ in range(3):
-        compiled()
+        run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        compiled()
+        run()
+    return graph
+
+
+def graph_profile(graph, steps=20, calls=1) -> dict:
+    """A captured graph of `calls` like calls, per call: its kernels, their names, the kernel time and
+    the replay time (CUDA events, median of 50)."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             graph.replay()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    names = Counter(e.name[:90] for e in kernels)
-    return dict(kernels=len(kernels) / steps, kernel_us=sum(e.device_time for e in kernels) / steps,
-                replay_us=graph_time(graph.replay) * 1e3, names={n: c / steps for n, c in names.most_common()})
+    names, per = Counter(e.name[:90] for e in kernels), steps * calls
+    return dict(kernels=len(kernels) / per, kernel_us=sum(e.device_time for e in kernels) / per,
+                replay_us=graph_time(graph.replay) * 1e3 / calls, names={n: c / per for n, c in names.most_common()})
 
 
 def layer_profiles(dec, context: int) -> dict:

@@ -1901,6 +1901,17 @@ def check_heads_kernel(errors: dict):
         assert e["kernel"] <= 2 * e["twin"] + 1e-6 * e["largest"], (key, e)
 
 
+def under_the_triton_interpreter(call: str):
+    """test_dflash.<call>'s JSON result, run in a fresh process with TRITON_INTERPRET=1 (set before
+    Triton is imported), so that the kernels run on the CPU."""
+    pytest.importorskip("triton")
+    code = f"import json, torch, test_dflash; print(json.dumps(test_dflash.{call}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parent, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 KERNEL_TOLERANCE = {torch.float32: 2e-6, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
@@ -1909,13 +1920,7 @@ def test_attend_upto_kernel_under_the_triton_interpreter():
     before Triton is imported, hence a fresh process), equals the float64 plain-torch math at both
     shapes' head sizes, in fp32 (tolerance 2e-6) and fp16 (4e-3). The interpreter's bf16 matmul is
     not faithful, so bf16 runs in the GPU test only."""
-    pytest.importorskip("triton")
-    code = ("import json, torch, test_dflash; print(json.dumps(test_dflash.kernel_errors('cpu', "
-            "[torch.float32, torch.float16])))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).parent, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    errors = under_the_triton_interpreter("kernel_errors('cpu', [torch.float32, torch.float16])")
     assert len(errors) == 2 * 2 * 2 * len(KERNEL_CASES)
     for key, error in errors.items():
         assert error < KERNEL_TOLERANCE[torch.float16 if "float16" in key else torch.float32], (key, error)
@@ -1925,13 +1930,7 @@ def test_heads_kernel_under_the_triton_interpreter():
     """fastpath's one kernel between the [q; k; v] matmul and attention (per-head norms, RoPE, the K/V
     writes), run by Triton's CPU interpreter in fp32 and fp16 at both shapes' head sizes, against the
     model's own modules (`check_heads_kernel`)."""
-    pytest.importorskip("triton")
-    code = ("import json, torch, test_dflash; print(json.dumps(test_dflash.heads_kernel_errors('cpu', "
-            "[torch.float32, torch.float16])))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).parent, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    errors = under_the_triton_interpreter("heads_kernel_errors('cpu', [torch.float32, torch.float16])")
     assert len(errors) == 2 * len(HEADS_CASES)
     check_heads_kernel(errors)
 

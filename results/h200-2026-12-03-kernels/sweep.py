@@ -8,15 +8,14 @@ as one CUDA graph over L layers of distinct buffers. Prints a table, writes JSON
 """
 import argparse
 import json
-import statistics
 import sys
-from collections import Counter
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import bench   # noqa: E402
 import fastpath   # noqa: E402
 import transformers.models.qwen3.modeling_qwen3 as qwen3   # noqa: E402
 
@@ -38,37 +37,14 @@ def after(attn, qkv_rows, keys, values, cos, sin, slots):
     return fastpath.triton_attend_upto(q, keys, values, slots, attn.scaling)
 
 
-def measure(fn, layer_args, programs=None):
+def measure(fn, layer_args, programs=None) -> dict:
+    """fn compiled once and called for every layer's arguments, captured as one graph: bench.graph_profile per layer."""
     torch._dynamo.reset()
     no_triton = mock.patch.object(fastpath, "triton", None) if fn is before else mock.patch.object(fastpath, "triton", fastpath.triton)
     with mock.patch.object(fastpath, "PROGRAMS", programs or fastpath.PROGRAMS), no_triton:
         compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-        run = lambda: [compiled(*a) for a in layer_args]
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-    times = []
-    for i in range(55):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end) * 1e3 / len(layer_args))
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    per = 10 * len(layer_args)
-    return dict(us_per_layer=statistics.median(times), kernels_per_layer=len(kernels) / per,
-                kernel_us_per_layer=sum(e.device_time for e in kernels) / per,
-                names={n[:80]: c / per for n, c in Counter(e.name for e in kernels).most_common()})
+        graph = bench.captured(lambda: [compiled(*a) for a in layer_args])
+    return bench.graph_profile(graph, steps=10, calls=len(layer_args))
 
 
 def main():
@@ -105,8 +81,8 @@ def main():
                 r.update(shape=shape_name, rows=N, variant=name, programs=programs)
                 results.append(r)
                 print(f"{shape_name:<14}{N:>4} rows  {name:<34}" + (
-                    f"{r['us_per_layer']:8.2f} us/layer {r['kernels_per_layer']:5.1f} kernels "
-                    f"{r['kernel_us_per_layer']:7.2f} us kernel time" if "error" not in r else r["error"]), flush=True)
+                    f"{r['replay_us']:8.2f} us/layer replayed {r['kernels']:5.1f} kernels "
+                    f"{r['kernel_us']:7.2f} us kernel time" if "error" not in r else r["error"]), flush=True)
                 if args.out:
                     Path(args.out).write_text(json.dumps(dict(
                         conditions=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, C=C, context=CONTEXT,
