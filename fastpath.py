@@ -370,7 +370,8 @@ def attend_upto(q, keys, values, last, scale: float, first=None):
     return attend(q, keys, values, mask, scale)
 
 
-PROGRAMS = 512   # split K/V spans until about this many programs run (an H200 has 132 SMs)
+PROGRAMS = 512   # split K/V spans until about this many programs run (an H200 has 132 SMs),
+MAX_SPANS = 4    # into at most this many: at batch 1 on the H200, 4 spans beat 1 and 16 at both bench shapes
 
 if triton is not None:
     @triton.jit
@@ -473,7 +474,7 @@ def triton_attend_upto(q, keys, values, last, scale: float, first=None):
     q = q if q.stride(-1) == 1 else q.contiguous()
     BLOCK_M, BLOCK_N, D = (16 if M <= 16 else 64), 64, max(16, triton.next_power_of_2(d))
     m_blocks = triton.cdiv(M, BLOCK_M)
-    splits = max(1, min(triton.cdiv(S, BLOCK_N), PROGRAMS // (Bt * hk * m_blocks)))
+    splits = max(1, min(triton.cdiv(S, BLOCK_N), MAX_SPANS, PROGRAMS // (Bt * hk * m_blocks)))
     split_len = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(S, split_len)
     opart = torch.empty(Bt * hk, splits, M, D, dtype=torch.float32, device=q.device)    # (Bt·hk, splits, M, D)
