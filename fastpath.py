@@ -163,7 +163,7 @@ def heads_into_place(attn, apply_rotary, qkv_rows, keys, values, cos, sin, slots
     (Qwen3's q_norm/k_norm) and rotated (`apply_rotary`, cos/sin (Bt, N, d)), k and v written into
     keys/values (Bt, hk, C, d) at each row's slots (Bt, N) -> q (Bt, N, h, d). On CUDA one Triton kernel
     (`triton_heads_into_place`, the rotation as Llama/Qwen3 have it), where the compiled twin below
-    is about five kernels; elsewhere, and for float64, the twin: the model's own modules."""
+    is three (on the H200, SmolLM2-135M's shapes); elsewhere, and for float64, the twin: the model's own modules."""
     if qkv_rows.is_cuda and triton is not None and qkv_rows.dtype != torch.float64:
         return triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots)
     (Bt, N, _), hk, d = qkv_rows.shape, keys.shape[1], keys.shape[3]

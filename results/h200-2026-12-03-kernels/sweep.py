@@ -41,7 +41,8 @@ def measure(fn, layer_args, programs=None) -> dict:
     """fn compiled once and called for every layer's arguments, captured as one graph: bench.graph_profile per layer."""
     torch._dynamo.reset()
     no_triton = mock.patch.object(fastpath, "triton", None) if fn is before else mock.patch.object(fastpath, "triton", fastpath.triton)
-    with mock.patch.object(fastpath, "PROGRAMS", programs or fastpath.PROGRAMS), no_triton:
+    spans = mock.patch.object(fastpath, "MAX_SPANS", 16)   # call 1 ran before the cap; the sweep chooses it
+    with mock.patch.object(fastpath, "PROGRAMS", programs or fastpath.PROGRAMS), spans, no_triton:
         compiled = torch.compile(fn, fullgraph=True, dynamic=False)
         graph = bench.captured(lambda: [compiled(*a) for a in layer_args])
     return bench.graph_profile(graph, steps=10, calls=len(layer_args))
