@@ -437,9 +437,11 @@ if triton is not None:
             tl.store(Opart + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit
-    def _attend_upto_combine(Opart, Mpart, Lpart, Out, sob, son, soh, N, d, splits, HK: tl.constexpr,
+    def _attend_upto_combine(Opart, Mpart, Lpart, Out, sob, son, soh, N, d, SPLITS: tl.constexpr, HK: tl.constexpr,
                              G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
-        """The spans of one (row, K/V head, block of query rows) merged: softmax·V, normalised."""
+        """The spans of one (row, K/V head, block of query rows) merged: softmax·V, normalised. The loop
+        over spans is unrolled (SPLITS ≤ MAX_SPANS), so that every span's loads are in flight at once:
+        a loop over a run-time count waited for each span's loads in turn (12.3 µs for 16 spans)."""
         bh, mb = tl.program_id(0), tl.program_id(1)
         b, kh, M = bh // HK, bh % HK, N * G
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -448,8 +450,8 @@ if triton is not None:
         m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_all = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for split in range(0, splits):
-            part = (bh * splits + split) * M + rows
+        for split in tl.static_range(SPLITS):
+            part = (bh * SPLITS + split) * M + rows
             m_s = tl.load(Mpart + part, mask=row_ok, other=float("-inf"))
             l_s = tl.load(Lpart + part, mask=row_ok, other=0.0)
             o_s = tl.load(Opart + part[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -492,8 +494,8 @@ def triton_attend_upto(q, keys, values, last, scale: float, first=None):
     if splits == 1:
         return out.view(Bt, N, h * d)
     _attend_upto_combine[(Bt * hk, m_blocks)](
-        opart, mpart, lpart, out, out.stride(0), out.stride(1), out.stride(2), N, d, splits,
-        HK=hk, G=G, D=D, BLOCK_M=BLOCK_M)
+        opart, mpart, lpart, out, out.stride(0), out.stride(1), out.stride(2), N, d,
+        SPLITS=splits, HK=hk, G=G, D=D, BLOCK_M=BLOCK_M)
     return out.view(Bt, N, h * d)
 
 
