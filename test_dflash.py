@@ -2595,6 +2595,40 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
 
 
 
+def test_train_saves_the_drafter_at_each_heldout_estimate(tiny, tmp_path, monkeypatch):
+    """While `train.py train` runs, --out holds the drafter as of its latest held-out estimate, with a
+    training.json whose history ends there (`snapshot` true), so that a run cut short keeps that point:
+    after step 2's estimate the saved weights are the live drafter's, and the run's end replaces them."""
+    path, target, sequences = tiny
+    train.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
+    out, seen = tmp_path / "d", []
+    real_train = train.train
+
+    def watched(target_, drafter, *args, on_estimate, **kwargs):
+        def check(history):
+            on_estimate(history)
+            log = json.loads((out / "training.json").read_text())
+            saved = load_file(out / "model.safetensors")
+            live = dflash.checkpoint_tensors(drafter)
+            seen.append((len(log["history"]), log["snapshot"], log["history"][-1]["heldout_tau"],
+                         saved.keys() == live.keys() and all(torch.equal(saved[k], live[k].detach()) for k in saved),
+                         saved))
+        return real_train(target_, drafter, *args, on_estimate=check, **kwargs)
+
+    monkeypatch.setattr(train, "train", watched)
+    train.main(["train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out", str(out),
+                "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK), "--max-steps", "5",
+                "--eval-every", "2", "--heldout", "4", "--device", "cpu", "--save-dtype", "float32"])
+    log = json.loads((out / "training.json").read_text())
+    assert [s[:2] for s in seen] == [(2, True), (4, True)] and all(s[3] for s in seen)
+    assert [h["heldout_tau"] for h in log["history"] if "heldout_tau" in h][:2] == [s[2] for s in seen]
+    assert len(log["history"]) == 5 and log["snapshot"] is False and "heldout_tau" in log["history"][-1]
+    assert not list(out.glob("*.part"))
+    final = load_file(out / "model.safetensors")   # step 5 trained on past the last snapshot
+    assert any(not torch.equal(final[k], seen[-1][4][k]) for k in final)
+
+
+
 
 # -----------------------------------------------------------------------------
 # evaluation.py

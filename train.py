@@ -413,14 +413,23 @@ def new_drafter(target, raw: dict) -> Drafter:
     return Drafter(cfg).to(target.get_input_embeddings().weight.device)
 
 
+def replace_file(path: Path, write):
+    """write(p) a file beside `path`, then move it into place in one step: a reader (a copy taken while
+    training goes on) sees the old file or the new one, never half of one."""
+    part = path.with_name(path.name + ".part")
+    write(part)
+    os.replace(part, path)
+
+
 def save_drafter(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtype):
     """config.json plus model.safetensors, under the released tensor names of the drafter's format."""
     from safetensors.torch import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({**raw, "dtype": str(dtype).removeprefix("torch.")}, indent=2))
+    config = json.dumps({**raw, "dtype": str(dtype).removeprefix("torch.")}, indent=2)
+    replace_file(directory / "config.json", lambda p: p.write_text(config))
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in dflash.checkpoint_tensors(drafter).items()}
-    save_file(tensors, directory / "model.safetensors")
+    replace_file(directory / "model.safetensors", lambda p: save_file(tensors, p))
 
 
 # -----------------------------------------------------------------------------
@@ -912,13 +921,15 @@ def shards(order: list[int], sequences: list[Sequence], max_tokens: int | None, 
 
 
 def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Sequence], cfg: TrainConfig,
-          progress: bool = True, store=CachedFeatures, more_heldout: dict[str, list[Sequence]] | None = None) -> list[dict]:
+          progress: bool = True, store=CachedFeatures, more_heldout: dict[str, list[Sequence]] | None = None,
+          on_estimate=None) -> list[dict]:
     """Train fc, hidden_norm, the layers and norm of `drafter` on self-distilled sequences; the
     target, its embeddings and LM head stay frozen. The target's features and labels come from
     `store`: by default captured once (CachedFeatures, cfg.cache_tokens at a time), or LiveFeatures,
     a target pass per step. Returns the history: loss, blocks/s and TFLOP/s per step, held-out τ
     every cfg.eval_every steps (`heldout_tau`; the sets of `more_heldout`, e.g. another data file's,
-    under `heldout_more` by name)."""
+    under `heldout_more` by name). After each estimate but the last, on_estimate(history so far) runs
+    with the drafter as it stands (cmd_train saves it: a run cut short keeps its last estimated point)."""
     from tqdm import tqdm
     if not sequences:
         raise DFlashError("training data: no sequences")
@@ -963,10 +974,14 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         if (heldout or more_heldout) and (entry["step"] % cfg.eval_every == 0 or entry["step"] == plan["total"]):
             drafter.eval()
             entry |= heldout_entry(target, drafter, heldout, more_heldout, cfg.batch_size)
-            drafter.train()
             tau = entry.get("heldout_tau", tau)
+            history.append(entry)
+            if on_estimate and entry["step"] < plan["total"]:
+                on_estimate(history)
+            drafter.train()
             ended = time.perf_counter()
-        history.append(entry)
+        else:
+            history.append(entry)
         if cfg.time_budget and refit_now(entry["step"]):
             fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, overhead)
         bar.update(1)
@@ -1440,24 +1455,31 @@ def cmd_train(args):
     if args.init and (heldout or more_heldout):
         at_init = heldout_entry(target, drafter, heldout, more_heldout, args.batch_size)
         print(f"--init {args.init}: held-out τ {named_estimates(at_init)} before training", file=sys.stderr)
-    t0 = time.perf_counter()
-    history = train(target, drafter, training, heldout, cfg, more_heldout=more_heldout)
-    seconds = time.perf_counter() - t0
+    out, t0 = Path(args.out), time.perf_counter()
+
+    def save(history: list[dict], snapshot: bool):
+        """The drafter and its training.json into --out; a snapshot is one taken at a held-out estimate
+        while training goes on, so that a run cut short (a machine taken back) leaves its last estimate."""
+        save_drafter(drafter, raw, out, dflash.DTYPES[args.save_dtype])
+        log = {"args": {k: v for k, v in vars(args).items() if k != "run"}, "train_config": asdict(cfg),
+               "seconds": time.perf_counter() - t0, "snapshot": snapshot,
+               "data": {k: v for k, v in meta.items() if k not in ("prompt_indices", "temperatures")}
+               | {"sequences": len(sequences), "training_sequences": len(training),
+                  "response_tokens": sum(len(q.ids) - q.prompt_len for q in training), "more_data": more_data},
+               "heldout_sharegpt_indices": heldout_indices, "heldout_more_indices": more_indices,
+               "heldout_response_tokens": {path: sum(len(q.ids) - q.prompt_len for q in held) for path, held in
+                                           [(args.data[0], heldout)] + list(more_heldout.items())},
+               "at_init": at_init,
+               "history": history}
+        replace_file(out / "training.json", lambda p: p.write_text(json.dumps(log, indent=1)))
+        return log
+
+    history = train(target, drafter, training, heldout, cfg, more_heldout=more_heldout,
+                    on_estimate=lambda h: save(h, snapshot=True))
     if not history:   # Ctrl-C before the first step
         raise KeyboardInterrupt
-    out = Path(args.out)
-    save_drafter(drafter, raw, out, dflash.DTYPES[args.save_dtype])
+    seconds = save(history, snapshot=False)["seconds"]
     dflash.load_drafter(str(out), target, dtype, device)   # the file loads as any released drafter does
-    log = {"args": {k: v for k, v in vars(args).items() if k != "run"}, "train_config": asdict(cfg),
-           "seconds": seconds, "data": {k: v for k, v in meta.items() if k not in ("prompt_indices", "temperatures")}
-           | {"sequences": len(sequences), "training_sequences": len(training),
-              "response_tokens": sum(len(q.ids) - q.prompt_len for q in training), "more_data": more_data},
-           "heldout_sharegpt_indices": heldout_indices, "heldout_more_indices": more_indices,
-           "heldout_response_tokens": {path: sum(len(q.ids) - q.prompt_len for q in held) for path, held in
-                                       [(args.data[0], heldout)] + list(more_heldout.items())},
-           "at_init": at_init,
-           "history": history}
-    (out / "training.json").write_text(json.dumps(log, indent=1))
     last = next((h for h in reversed(history) if "heldout_tau" in h or "heldout_more" in h), None)
     print(f"trained {len(history)} steps in {seconds:.0f}s, final loss {history[-1]['loss']:.3f}"
           + (f", held-out τ {named_estimates(last)}" if last else "") + f" -> {out}", file=sys.stderr)

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Follow pipeline.sh for up to $1 seconds: print its progress as it grows; once it is done, copy its
-# outputs to $OUT (calls 3 and 4 run this alone: bash poll.sh SECONDS).
+# outputs to $OUT (calls 3 and 4 run this alone: bash poll.sh SECONDS); while it runs, bring back the
+# drafter's latest snapshot.
 STASH=${STASH:-/root/stash}; T0=$(date +%s); seen=0
 [ -e $STASH/end ] || { echo "STASH LOST: no pipeline here"; ls -la $STASH; exit 5; }
 while :; do
@@ -12,3 +13,8 @@ while :; do
 done
 tail -n 3 $STASH/logs/train.log 2>/dev/null | tr '\r' '\n' | tail -n 2
 echo "pipeline running; $(( $(cat $STASH/end) - $(date +%s) ))s to its end"
+# the drafter as of its latest held-out estimate (train saves one at each), should this machine be lost
+D=$STASH/d11a; if [ -e $D/model.safetensors ]; then
+  cp $D/training.json $D/config.json $OUT/ && split -b 15000000 -d -a 1 $D/model.safetensors $OUT/snapshot.safetensors.part
+  python3 -c "import json; h=json.load(open('$OUT/training.json'))['history']; print('snapshot at step', len(h), h[-1].get('heldout_tau'))"
+fi
