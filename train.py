@@ -971,17 +971,17 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         if entry["step"] == 1:
             overhead += seconds
         entry |= {"blocks": drawn, "blocks_per_s": drawn / seconds, "tflops": flops / seconds / 1e12}
-        if (heldout or more_heldout) and (entry["step"] % cfg.eval_every == 0 or entry["step"] == plan["total"]):
+        estimate = (heldout or more_heldout) and (entry["step"] % cfg.eval_every == 0 or entry["step"] == plan["total"])
+        if estimate:
             drafter.eval()
             entry |= heldout_entry(target, drafter, heldout, more_heldout, cfg.batch_size)
             tau = entry.get("heldout_tau", tau)
-            history.append(entry)
+        history.append(entry)
+        if estimate:
             if on_estimate and entry["step"] < plan["total"]:
                 on_estimate(history)
             drafter.train()
             ended = time.perf_counter()
-        else:
-            history.append(entry)
         if cfg.time_budget and refit_now(entry["step"]):
             fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, overhead)
         bar.update(1)
