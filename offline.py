@@ -19,8 +19,11 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -178,17 +181,38 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
+@contextmanager
+def ctrl_c_held():
+    """Ctrl-C (SIGINT) held back until the block ends, then raised as KeyboardInterrupt. Raised between
+    counting a round and printing it, or inside the print, it would leave the count claiming text that
+    never reached the stream. Only Python's own handler in the main thread is held; any other runs."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def printer(tokenizer):
-    """An on_tokens callback that prints a generation as it is committed: its text, or ids without a tokenizer."""
+    """An on_tokens callback that prints a generation as it is committed: its text, or ids without a
+    tokenizer. Ctrl-C waits for a print to end, so that `seen` is always exactly what was printed."""
     seen = []
 
     def print_tokens(tokens: list[int]):
-        if tokenizer is None:
+        with ctrl_c_held():
+            if tokenizer is None:
+                seen.extend(tokens)
+                return print(" ".join(map(str, tokens)), end=" ", flush=True)
+            text_before = tokenizer.decode(seen, skip_special_tokens=True)
             seen.extend(tokens)
-            return print(" ".join(map(str, tokens)), end=" ", flush=True)
-        text_before = tokenizer.decode(seen, skip_special_tokens=True)
-        seen.extend(tokens)
-        print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
+            print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
     print_tokens.seen = seen   # what it has printed, for a caller that must finish the text
     return print_tokens
 
