@@ -2,7 +2,7 @@
 # Call 2: stash GGUF part g1, join and check it, install gguf and the evaluation sets' packages, copy the
 # code to the stash, and start pipeline.sh in its own session (it outlives this call; it must end by
 # now + END_IN seconds). Meanwhile fastpath's GPU tests run beside the pipeline's data stage (exactness
-# only: nothing timed there). Then this call follows the pipeline until POLL_S.
+# only: nothing timed there; NO_GPU_TESTS=1 leaves them out). Then this call follows the pipeline until POLL_S.
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 STASH=/root/stash
 for f in g0 d10a/model.safetensors self10-prompts.json.xz code-prompts.json.xz; do
@@ -17,7 +17,9 @@ rm -rf $STASH/code && mkdir -p $STASH/code && cp -r *.py pyproject.toml results/
 echo $(( T0 + ${END_IN:?} )) > $STASH/end
 setsid nohup bash $STASH/code/h200-2026-12-03-phase11/scripts/pipeline.sh > $STASH/pipeline.log 2>&1 < /dev/null &
 echo "pipeline started at $(el)s, to end by $(date -d @$(cat $STASH/end) +%T) ($END_IN s)"
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests PYTHONUNBUFFERED=1
-timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider test_dflash.py > $OUT/gpu-tests.log 2>&1
-echo "gpu tests rc=$? at $(el)s"; tail -n 6 $OUT/gpu-tests.log
+if [ -z "$NO_GPU_TESTS" ]; then   # they slowed the pipeline's data stage (run once: 14 passed, 364 s)
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests PYTHONUNBUFFERED=1
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider test_dflash.py > $OUT/gpu-tests.log 2>&1
+  echo "gpu tests rc=$? at $(el)s"; tail -n 6 $OUT/gpu-tests.log
+fi
 bash $STASH/code/h200-2026-12-03-phase11/scripts/poll.sh $(( ${POLL_S:-585} - $(el) ))
