@@ -6,7 +6,7 @@
 C=/tmp/inductor-find; rm -rf $C; export TORCHINDUCTOR_CACHE_DIR=$C PYTHONUNBUFFERED=1
 timeout ${BENCH_S:-200} python3 bench.py --shape smollm2-135m --skip dflash-ref,hf-eager,hf-static-compile,layers \
   --out $OUT/find-bench.json > $OUT/find-bench.log 2>&1; echo "bench rc=$?"
-for f in $(grep -rl "bmm_cat_cos" $C --include=*.py | grep -v "/triton/" | head -n 4); do
+for f in $(grep -rl "def call(" $C --include=*.py | xargs grep -l "bmm_cat_cos" | head -n 4); do
   echo "== $f"; cp $f $OUT/ 2>/dev/null
   grep -n "bmm_cat_cos.*\.run(\|_heads_into_place\|_attend_upto_split.*run\|_attend_upto_combine.*run" $f | head -n 40
 done
