@@ -2616,7 +2616,6 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     assert log4["heldout_response_tokens"] == {data: 4 * 6} and full > 4 * 6
 
 
-
 def test_train_saves_the_drafter_at_each_heldout_estimate(tiny, tmp_path, monkeypatch):
     """While `train.py train` runs, --out holds the drafter as of its latest held-out estimate, with a
     training.json whose history ends there (`snapshot` true), so that a run cut short keeps that point:
@@ -2648,8 +2647,6 @@ def test_train_saves_the_drafter_at_each_heldout_estimate(tiny, tmp_path, monkey
     assert not list(out.glob("*.part"))
     final = load_file(out / "model.safetensors")   # step 5 trained on past the last snapshot
     assert any(not torch.equal(final[k], seen[-1][4][k]) for k in final)
-
-
 
 
 # -----------------------------------------------------------------------------
