@@ -2,7 +2,8 @@
 # Call 2: stash GGUF part g1, join and check it, install gguf and the evaluation sets' packages, copy the
 # code to the stash, and start pipeline.sh in its own session (it outlives this call; it must end by
 # now + END_IN seconds). Meanwhile fastpath's GPU tests run beside the pipeline's data stage (exactness
-# only: nothing timed there; NO_GPU_TESTS=1 leaves them out). Then this call follows the pipeline until POLL_S.
+# only: nothing timed there; NO_GPU_TESTS=1 leaves them out;
+# FIND_ROPE=1 runs ../h200-2026-12-03-kernels/find_rope.sh there instead). Then this call follows the pipeline until POLL_S.
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 STASH=/root/stash
 for f in g0 d10a/model.safetensors self10-prompts.json.xz code-prompts.json.xz; do
@@ -21,5 +22,8 @@ if [ -z "$NO_GPU_TESTS" ]; then   # they slowed the pipeline's data stage (run o
   export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests PYTHONUNBUFFERED=1
   timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider test_dflash.py > $OUT/gpu-tests.log 2>&1
   echo "gpu tests rc=$? at $(el)s"; tail -n 6 $OUT/gpu-tests.log
+fi
+if [ -n "$FIND_ROPE" ]; then   # compile-heavy, so it shares the GPU well; its timings mean nothing here
+  BENCH_S=300 bash results/h200-2026-12-03-kernels/find_rope.sh; echo "find_rope done at $(el)s"
 fi
 bash $STASH/code/h200-2026-12-03-phase11/scripts/poll.sh $(( ${POLL_S:-585} - $(el) ))

@@ -5,10 +5,10 @@
 #   restore: put everything back.   HOLD (default ../hold beside the checkout) keeps what is moved.
 set -e
 cd "$(git rev-parse --show-toplevel)"; H=${HOLD:-../hold}; D=drafter/SmolLM2-135M-Instruct-DFlash-b16
-KEEP=results/h200-2026-12-03-phase11
+KEEP="results/h200-2026-12-03-phase11 results/h200-2026-12-03-kernels"
 case $1 in
   a|b) mkdir -p $H/results $H/drafter
-       for f in results/*; do [ "$f" = $KEEP ] || mv $f $H/results/; done
+       for f in results/*; do case " $KEEP " in *" $f "*) ;; *) mv $f $H/results/ ;; esac; done
        [ -d conformance ] && mv conformance $H/
        for f in $D/*; do case $(basename $f) in config.json|model.safetensors) [ $1 = b ] && mv $f $H/drafter/ ;; *) mv $f $H/drafter/ ;; esac; done ;;
   restore) mv $H/results/* results/ 2>/dev/null || true; [ -d $H/conformance ] && mv $H/conformance . ; mv $H/drafter/* $D/ 2>/dev/null || true ;;
