@@ -2819,13 +2819,14 @@ def test_no_evaluation_prompt_is_in_the_training_prompts(monkeypatch):
 
 
 @pytest.mark.package
-@pytest.mark.parametrize("phase, near", [("9", 9), ("10", 5)])
-def test_self_written_prompts_leave_out_the_evaluation_sets(phase, near):
-    """The 50,000 turns SmolLM2 wrote itself for phases 9 and 10 (the committed prompt files, seeds 41
-    and 51) hold no MT-Bench or HumanEval prompt, share no 8 words in a row with one, and define no
-    HumanEval function; each file's meta counts the turns sampled and those left out as near one."""
-    name = "self-prompts.json.xz" if phase == "9" else "self10-prompts.json.xz"
-    prompts, indices, meta = train.read_prompt_file(HERE / "results" / f"h200-2026-12-02-phase{phase}" / "logs" / name)
+@pytest.mark.parametrize("file, near", [("h200-2026-12-02-phase9/logs/self-prompts.json.xz", 9),
+                                        ("h200-2026-12-02-phase10/logs/self10-prompts.json.xz", 5),
+                                        ("h200-2026-12-03-phase11/logs/self11-prompts.json.xz", 4)])
+def test_self_written_prompts_leave_out_the_evaluation_sets(file, near):
+    """The 50,000 turns SmolLM2 wrote itself for phases 9, 10 and 11 (the committed prompt files, seeds
+    41, 51 and 71) hold no MT-Bench or HumanEval prompt, share no 8 words in a row with one, and define
+    no HumanEval function; each file's meta counts the turns sampled and those left out as near one."""
+    prompts, indices, meta = train.read_prompt_file(HERE / "results" / file)
     assert len(prompts) == len(set(map(train.normalized, prompts))) == 50_000
     assert meta["sampling"]["sampled"] == 65_536 and meta["sampling"]["left_out"]["near an evaluation prompt"] == near
     evaluation = offline.read_mtbench() + offline.read_humaneval()
