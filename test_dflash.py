@@ -2130,6 +2130,35 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):
     assert runs["sharded"] == pytest.approx(live_sharded, rel=1e-10)
 
 
+def test_an_epoch_starts_with_the_shard_still_cached(tiny, monkeypatch):
+    """With features in two shards, every epoch after the first begins with the shard the one before
+    ended on, whose features are still held: 3 epochs capture 4 times, not 6. Each epoch still trains
+    every sequence once, and the losses are those of a target pass per step (float64)."""
+    path, _, sequences = tiny
+    target = dflash.load_target(str(path), torch.float64, "cpu")
+    sequences = sequences[:16]
+    assert len(train.shards(list(range(16)), sequences, 300, 4)) == 2
+    captured, trained = [], []
+    capturing = lambda store: lambda target, seqs, *args: captured.append(len(seqs)) or store(target, seqs, *args)
+    real_blocks = train.make_blocks
+    monkeypatch.setattr(train, "make_blocks", lambda seqs, *args, **kwargs: trained.extend(map(id, seqs))
+                        or real_blocks(seqs, *args, **kwargs))
+    losses = {}
+    for name, store in [("cached", train.CachedFeatures), ("live", train.LiveFeatures)]:
+        _, drafter = fresh_drafter(target)
+        cfg = train.TrainConfig(epochs=3, batch_size=4, anchors=6, lr=3e-3, eval_every=100, cache_tokens=300)
+        captured.clear(), trained.clear()
+        losses[name] = [h["loss"] for h in train.train(target, drafter.double(), sequences, [], cfg, progress=False,
+                                                       store=capturing(store))]
+        assert len(captured) == 4 and sum(captured) == 32, captured
+        assert len(losses[name]) == 12 and [sorted(trained[16 * e:16 * (e + 1)]) for e in range(3)] == \
+            [sorted(map(id, sequences))] * 3
+    assert losses["cached"] == pytest.approx(losses["live"], rel=1e-10)
+    order, cached = [5, 2, 9, 0, 7, 1, 3, 8, 4, 6], [1, 4, 6, 0]
+    runs = train.epoch_shards(order, cached, [train.Sequence(torch.zeros(10, dtype=torch.long), 1)] * 10, 40, 2)
+    assert runs == [[0, 1, 4, 6], [5, 2, 9, 7], [3, 8]] and train.epoch_shards(order, [], [], None) == [order]
+
+
 def test_each_heldout_estimate_sees_the_weights_of_its_own_step(tiny, monkeypatch):
     """On CUDA train reads a step's loss back only once the next step is queued, so that the host never
     waits for the step it has just queued (here on CPU, the same path). A held-out estimate still comes

@@ -920,6 +920,19 @@ def shards(order: list[int], sequences: list[Sequence], max_tokens: int | None, 
     return runs
 
 
+def epoch_shards(order: list[int], cached: list[int], sequences: list[Sequence], max_tokens: int | None,
+                 batch_size: int = 1) -> list[list[int]]:
+    """An epoch's shards in `order` (`shards`), but with `cached`, the shard whose features are still
+    held from the epoch before, first and whole, in `order`'s order: it is not captured again. Each
+    epoch still visits every sequence once; an epoch that needs more than one shard then captures one
+    shard fewer (phase 11a captured 9 times in 4 epochs of 2 shards, 260 of its 810 s)."""
+    if not cached or max_tokens is None:
+        return shards(order, sequences, max_tokens, batch_size)
+    kept = set(cached)
+    rest = [i for i in order if i not in kept]
+    return [[i for i in order if i in kept]] + (shards(rest, sequences, max_tokens, batch_size) if rest else [])
+
+
 def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Sequence], cfg: TrainConfig,
           progress: bool = True, store=CachedFeatures, more_heldout: dict[str, list[Sequence]] | None = None,
           on_estimate=None) -> list[dict]:
@@ -992,9 +1005,9 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     try:   # Ctrl-C ends training where it is; the caller saves the drafter as trained so far
         while step < plan["total"]:
             order = torch.randperm(len(sequences), generator=generator).tolist()   # new order and anchors each epoch
-            runs = shards(order, sequences, cfg.cache_tokens, cfg.batch_size)
+            runs = epoch_shards(order, list(where), sequences, cfg.cache_tokens, cfg.batch_size)
             for run in runs:
-                if features_of is None or len(runs) > 1:   # one shard: captured once for the whole run
+                if any(i not in where for i in run):   # captured once if one shard holds them all
                     if queued:
                         queued = read_back(queued)
                     t_capture = time.perf_counter()
