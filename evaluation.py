@@ -149,14 +149,14 @@ def plot_training(logs: dict[str, dict], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     colors = plt.cm.tab20.colors   # more phases than the default cycle's 10 colours
     for k, (name, points) in enumerate(phase_points(logs).items()):
         ax.plot([x / 1e6 for x, _ in points], [y for _, y in points], marker="o", label=name,
                 color=colors[k % len(colors)])
     ax.set(xlabel="training blocks seen (millions, all phases)", ylabel="held-out τ",
            title="held-out τ by phase (each phase on its own held-out answers)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))   # beside the lines, never over them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

