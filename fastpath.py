@@ -237,6 +237,13 @@ def triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots):
     return q
 
 
+def stored(t):
+    """t as a buffer computed once under torch.compile (eager: t itself). There a cheap value that
+    several Triton kernel calls read, such as the slots or the RoPE tables, is otherwise recomputed
+    into a fresh buffer for every call: 3.5 kernels per target layer (inductor's `copy_input`)."""
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride()) if torch.compiler.is_compiling() else t
+
+
 class DenseTarget:
     """A Llama/Qwen3 decoder stack run here: one [q;k;v] and one [gate;up] matmul per layer, K/V in
     static per-layer (Bt, hk, C, d) buffers (Bt = 1 for a Decoder; train.BatchDecoder decodes many
@@ -263,6 +270,7 @@ class DenseTarget:
         attn = self.layers[0].self_attn
         self.head_dim, self.num_kv_heads = attn.head_dim, target.config.num_key_value_heads
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb   # the model's own RoPE
+        import torch._inductor.inductor_prims   # noqa: F401  registers prims.inductor_force_stride_order (`stored`)
         shape = (batch_size, self.num_kv_heads, capacity, self.head_dim)
         self.batch_keys = zeros(len(self.layers), shape, self.qkv[0])                   # T × (Bt, hk, C, d)
         self.batch_values = zeros(len(self.layers), shape, self.qkv[0])
@@ -283,6 +291,7 @@ class DenseTarget:
         model, layer_fn, Bt = self.target.model, layer_fn or dense_layer, len(ids)
         x = model.embed_tokens(ids)                                                     # (Bt, N, H)
         cos, sin = model.rotary_emb(x, slots)                                           # (Bt, N, d)
+        slots, cos, sin = stored(slots), stored(cos), stored(sin)   # once, not once per kernel call
         captured = {}
         for l, layer in enumerate(self.layers):
             x = layer_fn(layer, self.apply_rotary, self.qkv[l], self.gate_up[l], self.batch_keys[l][:Bt],
@@ -688,7 +697,9 @@ class Decoder:
         saved = [t.clone() for t in self.buf.tensors()]
         try:   # every Decoder compiles the same methods anew; a captured graph no longer needs its code
             with torch._dynamo.config.patch(recompile_limit=1024):
-                compiled = {name: torch.compile(fn, fullgraph=True) for name, fn in self.parts().items()}
+                # static shapes: a second Decoder in one process (another K or capacity) would otherwise
+                # recompile these methods with symbolic sizes (dynamo's automatic dynamic)
+                compiled = {name: torch.compile(fn, fullgraph=True, dynamic=False) for name, fn in self.parts().items()}
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):

@@ -1572,6 +1572,29 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_verify_builds_the_rope_tables_once(checkpoints, tmp_path):
+    """The captured verify of a bf16 Llama target computes its RoPE tables in a few kernels, not one for
+    each layer's Triton kernels (`fastpath.stored`: inductor recomputed a cheap value read by several of
+    them into a fresh buffer for each, 3.5 kernels per layer). The target and the drafter context each
+    have tables, so up to three kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    target = dflash.load_target(str(checkpoints["llama"]), torch.bfloat16, "cuda")
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6)), target,
+                                  torch.bfloat16, "cuda")
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    with closing(fastpath.Decoder(target, drafter, fastpath.capacity_for(len(prompt), 16, 5), 5)) as dec:
+        dec.generate(prompt, 16)                                                         # captures the graphs
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec.graphs["verify"].replay()
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    tables = [name for name in kernels if "cos" in name]
+    print(f"verify: {len(kernels)} kernels for {target.config.num_hidden_layers} layers; RoPE tables in {tables}")
+    assert "_heads_into_place" in kernels and 1 <= len(tables) <= 3 < target.config.num_hidden_layers, tables
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fastpath_sampling_on_cuda_with_graphs(checkpoints, tmp_path):
     """At T > 0 with top-p/top-k, the graphed fastpath draws the same tokens as dflash.py on the
     same device for the same seed (fp32), and a second seed gives another sample."""
