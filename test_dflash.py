@@ -2668,6 +2668,47 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     assert log4["heldout_response_tokens"] == {data: 4 * 6} and full > 4 * 6
 
 
+def test_grown_drafter_starts_where_its_checkpoint_stands(tiny, tmp_path):
+    """`train --init d --layers 3` appends two layers to a trained 1-layer drafter. They start at zero
+    output, so the grown drafter's block hidden states equal d's exactly; it then trains (its new
+    output projections move) and is saved as a 3-layer checkpoint that loads. Fewer layers are refused."""
+    path, target, sequences = tiny
+    raw, drafter = fresh_drafter(target)
+    train.train(target, drafter, sequences[:20], [], train.TrainConfig(epochs=1, batch_size=4, anchors=8, lr=3e-3),
+                progress=False)
+    bigger, bigger_raw = train.grown(target, drafter, raw, 3)
+    assert len(bigger.layers) == 3 and bigger_raw["num_hidden_layers"] == 3 and raw["num_hidden_layers"] == 1
+    assert bigger_raw["layer_types"] == ["full_attention"] * 3
+    blocks = train.make_blocks(sequences[:6], 8, 4, MASK, torch.Generator().manual_seed(0))
+    features, _ = train.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
+                                         torch.float32, with_labels=False)
+    with torch.no_grad():
+        before = train.draft_hidden(target, drafter, blocks, features)                 # (M, B, H)
+        after = train.draft_hidden(target, bigger, blocks, features)
+    assert torch.equal(before, after)
+    assert any(not torch.equal(a, b) for a, b in zip(bigger.layers[1].parameters(), bigger.layers[2].parameters()))
+
+    train.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
+    train.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
+    common = ["train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--init", str(tmp_path / "d"),
+              "--heldout", "4", "--device", "cpu", "--save-dtype", "float32"]
+    result = run_train_cli(*common, "--out", str(tmp_path / "d3"), "--layers", "3", "--max-steps", "2", "--lr", "3e-2")
+    assert result.returncode == 0, result.stderr
+    assert "1 layers grown to 3; the new ones start at zero output" in result.stderr
+    log = json.loads((tmp_path / "d3" / "training.json").read_text())
+    assert log["grown_from_layers"] == 1 and log["args"]["layers"] == 3 and len(log["history"]) == 2
+    same = run_train_cli(*common, "--out", str(tmp_path / "d1"), "--max-steps", "1")
+    assert same.returncode == 0, same.stderr
+    # the grown drafter walks the held-out answers as d does before training: its new layers add nothing
+    assert log["at_init"]["heldout_tau"] == json.loads((tmp_path / "d1" / "training.json").read_text())["at_init"][
+        "heldout_tau"]
+    d3 = dflash.load_drafter(str(tmp_path / "d3"), target, torch.float32, "cpu")
+    assert d3.config.num_layers == 3 and d3.layers[2].mlp.down_proj.weight.abs().max() > 0   # it trained
+    fewer = run_train_cli(*common, "--out", str(tmp_path / "d0"), "--layers", "0", "--max-steps", "1")
+    assert fewer.returncode != 0 and "--layers = 0: the --init drafter has 1 layers, and layers are only added" \
+        in fewer.stderr and "Traceback" not in fewer.stderr
+
+
 def test_train_saves_the_drafter_at_each_heldout_estimate(tiny, tmp_path, monkeypatch):
     """While `train.py train` runs, --out holds the drafter as of its latest held-out estimate, with a
     training.json whose history ends there (`snapshot` true), so that a run cut short keeps that point:

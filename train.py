@@ -413,6 +413,25 @@ def new_drafter(target, raw: dict) -> Drafter:
     return Drafter(cfg).to(target.get_input_embeddings().weight.device)
 
 
+def grown(target, drafter: Drafter, raw: dict, num_layers: int) -> tuple[Drafter, dict]:
+    """`drafter` with fresh layers appended up to num_layers, and its config. Each new layer starts with
+    o_proj and down_proj at zero, so it adds nothing to the residual stream: the grown drafter drafts
+    exactly what `drafter` drafts until training moves those two projections."""
+    cfg, old = drafter.config, drafter.config.num_layers
+    if num_layers < old:
+        raise DFlashError(f"--layers = {num_layers}: the --init drafter has {old} layers, and layers are only added")
+    if cfg.checkpoint_format != "zlab" or cfg.gated or cfg.norm_context or cfg.capture_norms or any(cfg.causal):
+        raise DFlashError("--layers with --init grows z-lab drafters of full-attention layers only (as `train` makes)")
+    raw = raw | {"num_hidden_layers": num_layers, "layer_types": ["full_attention"] * num_layers}
+    bigger = new_drafter(target, raw)
+    bigger.load_state_dict(drafter.state_dict(), strict=False)   # old layers, fc and norms; new layers keep their init
+    with torch.no_grad():
+        for layer in bigger.layers[old:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return bigger.to(next(drafter.parameters()).dtype), raw
+
+
 def replace_file(path: Path, write):
     """write(p) a file beside `path`, then move it into place in one step: a reader (a copy taken while
     training goes on) sees the old file or the new one, never half of one."""
@@ -1446,11 +1465,18 @@ def cmd_train(args):
             raise DFlashError(f"--target '{args.target}' has no tokenizer: pass --mask-token-id")
         mask_token_id = default_mask_token_id(tokenizer, target.get_input_embeddings().weight.shape[0])
     T = target.config.get_text_config().num_hidden_layers
-    if args.init:   # continue training a checkpoint: its config wins over the shape flags
+    grown_from = None   # the --init drafter's layer count, when --layers adds layers to it
+    if args.init:   # continue training a checkpoint: its config wins over the shape flags, but --layers may grow it
         raw = {k: v for k, v in dflash.read_file(Path(args.init) / "config.json", "draft config").items() if k != "dtype"}
         drafter = dflash.load_drafter(args.init, target, torch.float32, device)
+        if args.layers not in (None, drafter.config.num_layers):
+            grown_from = drafter.config.num_layers
+            drafter, raw = grown(target, drafter, raw, args.layers)
+            print(f"--init {args.init}: {grown_from} layers grown to {args.layers}; the new ones start at zero "
+                  f"output (o_proj, down_proj)", file=sys.stderr)
         args.layers, args.block_size = drafter.config.num_layers, drafter.config.block_size
     else:
+        args.layers = 2 if args.layers is None else args.layers
         raw = new_drafter_config(target, args.layers, args.block_size, mask_token_id,
                                  args.num_features or default_num_features(T))
         drafter = new_drafter(target, raw)
@@ -1482,7 +1508,7 @@ def cmd_train(args):
                "heldout_sharegpt_indices": heldout_indices, "heldout_more_indices": more_indices,
                "heldout_response_tokens": {path: sum(len(q.ids) - q.prompt_len for q in held) for path, held in
                                            [(args.data[0], heldout)] + list(more_heldout.items())},
-               "at_init": at_init,
+               "at_init": at_init, "grown_from_layers": grown_from,
                "history": history}
         replace_file(out / "training.json", lambda p: p.write_text(json.dumps(log, indent=1)))
         return log
@@ -1557,7 +1583,8 @@ def parse_args(argv=None):
                    "held-out prompt)")
     s.add_argument("--out", required=True, help="drafter checkpoint dir to write")
     s.add_argument("--block-size", type=int, default=16, help="B: bonus + B-1 drafts")
-    s.add_argument("--layers", type=int, default=2, help="drafter layers")
+    s.add_argument("--layers", type=int, help="drafter layers (default 2); with --init, more than the checkpoint's "
+                   "appends new layers that start at zero output, so training starts from the checkpoint's drafts")
     s.add_argument("--init", help="start from this drafter checkpoint instead of a fresh one (continued training)")
     s.add_argument("--num-features", type=int, help="captured target layers n (default min(5, T-3))")
     s.add_argument("--mask-token-id", type=int, help="m (default: a spare embedding row or unused added token)")
