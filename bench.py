@@ -7,7 +7,7 @@ also projected at τ = 6.5), then times, after warm-up, with CUDA events / synch
   hf-eager          HF generate, greedy, dynamic cache
   hf-static-compile HF generate, static cache, torch.compile(mode="reduce-overhead")
   dflash-ref        one dflash.py step (draft + verify)
-  fast-ar           fastpath target-only greedy step (one token)
+  fast-ar           fastpath target-only greedy step (one token), and its graph replay alone
   fast-dflash       one fastpath DFlash step (graph replay), and its draft and verify parts
 
 and per layer (one target layer at 1 and K+1 rows, one drafter layer, each compiled and captured
@@ -254,7 +254,7 @@ def main():
     p.add_argument("--skip", default="", help="comma-separated rows to skip: fast, layers, dflash-ref, "
                    "hf-eager, hf-static-compile")
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--profile", action="store_true", help="also print the kernels of one graphed step")
+    p.add_argument("--profile", action="store_true", help="also print the kernels of the graphed AR and DFlash steps")
     p.add_argument("--profile-eager", action="store_true",
                    help="also profile the eager rows: a dflash.py step and an HF generate token")
     args = p.parse_args()
@@ -277,7 +277,7 @@ def main():
                       new_tokens=args.new_tokens, K=K, weights="random (timing only; τ measured = 1)",
                       copy_bandwidth_TBps=bandwidth / 1e12, bytes_ar=ar_bytes, bytes_dflash_step=ar_bytes + draft_bytes,
                       compile_and_capture_s={}, inductor=inductor_settings())
-    rows, errors, layers, profile = [], {}, {}, None
+    rows, errors, layers, profile, ar_profile = [], {}, {}, None, None
     print(f"\n{args.shape}: {conditions['gpu']}, bf16, batch 1, prompt {args.prompt_len}, {args.new_tokens} new, "
           f"K={K}, random weights, inductor {conditions['inductor']}; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
           f"{floor_step:.3f} ms/DFlash step (incl. {lm_head / 1e9:.2f} GB LM head read again for drafts)")
@@ -298,8 +298,8 @@ def main():
     def save():   # rewritten after every row, so a run cut short still leaves its numbers
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(conditions=conditions, rows=rows, errors=errors, layers=layers, step_profile=profile),
-                          f, indent=2)
+                json.dump(dict(conditions=conditions, rows=rows, errors=errors, layers=layers, step_profile=profile,
+                               ar_step_profile=ar_profile), f, indent=2)
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
@@ -313,6 +313,15 @@ def main():
         times, gen = round_times(fast, target, dec.drafter, prompt, args.new_tokens)
         add(name + (" step" if dec.drafter is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
             floor_step if dec.drafter is not None else floor_ar, speculative=dec.drafter is not None)
+    ar = decoders.get("fast-ar")
+    if ar is not None and ar.graphs:   # the AR row is a whole step, host loop included; this is its graph alone
+        with torch.inference_mode():
+            ar.buf.start.fill_(context)
+            add("  fast AR graph", graph_time(ar.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
+        if args.profile:
+            print("AR step:", end=" ")
+            ar_profile = profile_step(ar)
+            save()
     dec = decoders.get("fast-dflash")
     if dec is not None and dec.graphs:
         with torch.inference_mode():
@@ -321,6 +330,7 @@ def main():
             dec.buf.start.fill_(context)
             add("  fast verify part", graph_time(dec.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
         if args.profile:
+            print("DFlash step:", end=" ")
             profile = profile_step(dec)
             save()
         if "layers" not in skip:
