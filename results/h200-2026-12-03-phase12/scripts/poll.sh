@@ -1,7 +1,7 @@
 #!/bin/bash
 # Follow pipeline.sh for up to $1 seconds: print its progress as it grows; once it is done, copy its
 # outputs to $OUT (calls 3 and 4 run this alone: bash poll.sh SECONDS); while it runs, bring back the
-# snapshot of the drafter in training (train saves one at each held-out estimate).
+# snapshot of the drafter in training (train saves one at each held-out estimate), and every run's training.json.
 STASH=${STASH:-/root/stash}; T0=$(date +%s); seen=0
 [ -e $STASH/end ] || { echo "STASH LOST: no pipeline here"; ls -la $STASH; exit 5; }
 while :; do
@@ -13,6 +13,7 @@ while :; do
 done
 L=$(ls -t $STASH/logs/train-*.log 2>/dev/null | head -n 1); [ -n "$L" ] && tail -n 2 $L
 echo "pipeline running; $(( $(cat $STASH/end) - $(date +%s) ))s to its end"
+for R in $STASH/d12?; do [ -e $R/training.json ] && cp $R/training.json $OUT/training-$(basename $R).json; done   # every run's line
 D=$(ls -td $STASH/d12? 2>/dev/null | head -n 1)
 if [ -n "$D" ] && [ -e $D/model.safetensors ]; then
   cp $D/training.json $OUT/training-$(basename $D).json && cp $D/config.json $OUT/config-$(basename $D).json
