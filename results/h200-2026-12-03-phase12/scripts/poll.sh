@@ -1,7 +1,8 @@
 #!/bin/bash
 # Follow pipeline.sh for up to $1 seconds: print its progress as it grows; once it is done, copy its
 # outputs to $OUT (calls 3 and 4 run this alone: bash poll.sh SECONDS); while it runs, bring back the
-# snapshot of the drafter in training (train saves one at each held-out estimate), and every run's training.json.
+# snapshot of the drafter in training (train saves one at each held-out estimate), and every run's training.json
+# (that copy was added after this session's calls, which brought back only the latest run's).
 STASH=${STASH:-/root/stash}; T0=$(date +%s); seen=0
 [ -e $STASH/end ] || { echo "STASH LOST: no pipeline here"; ls -la $STASH; exit 5; }
 while :; do
