@@ -1520,6 +1520,16 @@ def test_fastpath_cli_json_equals_reference_cli(checkpoints, tmp_path):
     assert json.loads(fast.stdout) == json.loads(run_cli(*args).stdout)
 
 
+def run_parts(dec, parts, steps: int):
+    """Prefill a Decoder with a fixed prompt, then run its step `parts` (eager or compiled) `steps` times."""
+    with torch.inference_mode():
+        dec.prefill([1, 2, 3, 4, 5])
+        dec.buf.max_accept.fill_(4)
+        for _ in range(steps):
+            for part in parts:
+                part()
+
+
 @pytest.mark.parametrize("family,fmt", [("qwen3", "zlab"), ("llama", "laguna"), ("llama", "zlab-new")])
 def test_fastpath_parts_trace_as_one_graph_each(targets32, drafters, family, fmt):
     """The two parts the Decoder captures as CUDA graphs, draft and verify (with capture, acceptance and
@@ -1530,13 +1540,8 @@ def test_fastpath_parts_trace_as_one_graph_each(targets32, drafters, family, fmt
         assert list(traced.parts()) == ["draft", "verify"]
         torch._dynamo.reset()
         compiled = [torch.compile(part, fullgraph=True, backend="aot_eager") for part in traced.parts().values()]
-        with torch.inference_mode():
-            for dec, parts in ((eager, list(eager.parts().values())), (traced, compiled)):
-                dec.prefill([1, 2, 3, 4, 5])
-                dec.buf.max_accept.fill_(4)
-                for _ in range(2):
-                    for part in parts:
-                        part()
+        for dec, parts in ((eager, list(eager.parts().values())), (traced, compiled)):
+            run_parts(dec, parts, 2)
         assert all(torch.equal(a, b) for a, b in zip(traced.buf.tensors(), eager.buf.tensors()))
 
 
@@ -1548,13 +1553,8 @@ def test_fastpath_parts_compiled_by_inductor_follow_eager(targets32, drafters):
     with closing(fastpath.Decoder(target, drafter, 32, 4)) as eager, closing(fastpath.Decoder(target, drafter, 32, 4)) as traced:
         torch._dynamo.reset()
         compiled = [torch.compile(part, fullgraph=True, dynamic=False) for part in traced.parts().values()]
-        with torch.inference_mode():
-            for dec, parts in ((eager, list(eager.parts().values())), (traced, compiled)):
-                dec.prefill([1, 2, 3, 4, 5])
-                dec.buf.max_accept.fill_(4)
-                for _ in range(3):
-                    for part in parts:
-                        part()
+        for dec, parts in ((eager, list(eager.parts().values())), (traced, compiled)):
+            run_parts(dec, parts, 3)
         assert eager.buf.result.abs().sum() > 0
         for a, b in zip(traced.buf.tensors(), eager.buf.tensors()):
             assert torch.allclose(a.double(), b.double(), atol=1e-5, rtol=0), (a - b).abs().max()
