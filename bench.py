@@ -313,22 +313,22 @@ def main():
         times, gen = round_times(fast, target, dec.drafter, prompt, args.new_tokens)
         add(name + (" step" if dec.drafter is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
             floor_step if dec.drafter is not None else floor_ar, speculative=dec.drafter is not None)
+    def add_graph(row, dec, part, floor_bytes):   # one captured part replayed at the mid-generation context length
+        with torch.inference_mode():
+            dec.buf.start.fill_(context)
+            add(row, graph_time(dec.graphs[part].replay), 1.0, floor_bytes / bandwidth * 1e3)
+
     ar = decoders.get("fast-ar")
     if ar is not None and ar.graphs:   # the AR row is a whole step, host loop included; this is its graph alone
-        with torch.inference_mode():
-            ar.buf.start.fill_(context)
-            add("  fast AR graph", graph_time(ar.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
+        add_graph("  fast AR graph", ar, "verify", ar_bytes)
         if args.profile:
             print("AR step:", end=" ")
             ar_profile = profile_step(ar)
             save()
     dec = decoders.get("fast-dflash")
     if dec is not None and dec.graphs:
-        with torch.inference_mode():
-            dec.buf.start.fill_(context)   # time the parts at the mid-generation context length
-            add("  fast draft part", graph_time(dec.graphs["draft"].replay), 1.0, draft_bytes / bandwidth * 1e3)
-            dec.buf.start.fill_(context)
-            add("  fast verify part", graph_time(dec.graphs["verify"].replay), 1.0, ar_bytes / bandwidth * 1e3)
+        add_graph("  fast draft part", dec, "draft", draft_bytes)
+        add_graph("  fast verify part", dec, "verify", ar_bytes)
         if args.profile:
             print("DFlash step:", end=" ")
             profile = profile_step(dec)
