@@ -15,7 +15,7 @@ PHASES = {"phase 1": "training-phase1.json", "phase 2": "training-phase2.json", 
           "phase 4": "training-phase4.json", "phase 5": "training-phase5.json", "phase 6a": "training-phase6a.json",
           "phase 6b": "training-phase6b.json", "phase 6c": "training-phase6c.json", "phase 7a": "training-phase7a.json",
           "phase 8a": "training-phase8a.json", "phase 9a": "training-phase9a.json", "phase 10a": "training-phase10a.json",
-          "phase 11a": "training.json"}
+          "phase 11a": "training-phase11a.json", "phase 13a": "training.json"}
 
 for name in ("eval-h200", "eval-cpu"):
     if (DRAFTER / f"{name}.json").is_file():
