@@ -1223,20 +1223,25 @@ def test_cli_ctrl_c_in_a_real_process(tmp_path):
 def test_printer_prints_a_round_whole_before_ctrl_c():
     """Ctrl-C that arrives while the CLI prints a round is raised once the round is printed and counted
     (offline.printer's `seen`), so the text and the token count in the stats never part; the handler in
-    place before is back afterwards."""
+    place before is back afterwards. Python's own handler is installed for the test, as an interactive
+    run has it: a background job of a non-interactive shell starts with SIGINT ignored."""
     printed = []
 
     def interrupted_print(text, **kwargs):
-        signal.raise_signal(signal.SIGINT)    # Ctrl-C in the middle of the print, to this thread: os.kill
-        for _ in range(100):                  # may hand it to another thread, late on a busy machine
-            pass                              # bytecodes where Python runs the SIGINT handler
+        signal.raise_signal(signal.SIGINT)    # Ctrl-C in the middle of the print
+        for _ in range(100):                  # bytecodes where Python runs the SIGINT handler
+            pass
         printed.append(text)
 
     stream = offline.printer(None)
-    with mock.patch("builtins.print", interrupted_print), pytest.raises(KeyboardInterrupt):
-        stream([5, 6, 7])
-    assert printed == ["5 6 7"] and stream.seen == [5, 6, 7]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with mock.patch("builtins.print", interrupted_print), pytest.raises(KeyboardInterrupt):
+            stream([5, 6, 7])
+        assert printed == ["5 6 7"] and stream.seen == [5, 6, 7]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_cli_flags_match_the_readme_table(capsys):
