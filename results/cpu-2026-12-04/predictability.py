@@ -8,6 +8,9 @@ after the round's first token; it is reached when drafts 1..j-1 were accepted. A
 reached drafts is binned by p1 at the drafted position, for draft 1 and for all drafts.
 
     $ python results/cpu-2026-12-04/predictability.py --limit 20 --out results/cpu-2026-12-04/predictability.json
+    $ python results/cpu-2026-12-04/predictability.py --replot --out results/cpu-2026-12-04/predictability.json
+
+Writes the JSON and a plot beside it (.png): acceptance by p1 bin, and the share of positions in each.
 """
 import argparse
 import json
@@ -39,12 +42,40 @@ def answer_p1(target, prompt_ids: list[int], answer: list[int]) -> tuple[list[fl
     return chosen.tolist(), int((probs.argmax(-1) != torch.tensor(answer)).sum())
 
 
+def plot(report: dict, path: Path):
+    """Per set: the share of answer positions in each p1 bin (bars) and draft-1 acceptance there (line)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{a:.2f}–{min(b, 1):.2f}" for a, b in zip(BINS, BINS[1:])]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.4
+    for k, (name, d) in enumerate(report["datasets"].items()):
+        share = [n / sum(d["positions_by_p1"]) for n in d["positions_by_p1"]]
+        xs = [i + (k - 0.5) * width for i in range(len(labels))]
+        ax.bar(xs, share, width, alpha=0.35, label=f"{name}: share of positions", color=f"C{k}")
+        ax.plot(range(len(labels)), d["draft1"]["rate"], marker="o", color=f"C{k}",
+                label=f"{name}: draft-1 acceptance (τ {d['tau']:.2f})")
+    mids = [(a + min(b, 1)) / 2 for a, b in zip(BINS, BINS[1:])]
+    ax.plot(range(len(labels)), mids, ls=":", color="gray", label="acceptance = p1 (bin middle)")
+    ax.set(xticks=range(len(labels)), xticklabels=labels, ylim=(0, 1.05),
+           xlabel="SmolLM2's probability of its own greedy token at the drafted position",
+           title=f"acceptance against the target's confidence (first {next(iter(report['datasets'].values()))['prompts']} prompts, K = {report['num_drafts']})")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--num-drafts", type=int, default=15)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from --out")
     args = parser.parse_args()
+    if args.replot:
+        return plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
     torch.set_grad_enabled(False)
     target, tokenizer = train.load_target_and_tokenizer(str(offline.ensure_smollm2()), torch.float32, "cpu")
     drafter = dflash.load_drafter(str(offline.DEFAULT_DRAFT), target, torch.float32, "cpu")
@@ -96,7 +127,8 @@ def main():
             print(f"{BINS[i]:>5.2f}–{min(BINS[i + 1], 1):<5.2f} {positions[i] / max(sum(positions), 1):>10.1%} "
                   f"{f['reached'][i]:>16} {fr:>9} {e['reached'][i]:>12} {er:>9}")
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"-> {args.out}")
+    plot(report, Path(args.out).with_suffix(".png"))
+    print(f"-> {args.out}, {Path(args.out).with_suffix('.png')}")
 
 
 if __name__ == "__main__":
