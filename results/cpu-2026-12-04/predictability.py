@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import dflash  # noqa: E402
+import evaluation  # noqa: E402
 import offline  # noqa: E402
 import train  # noqa: E402
 
@@ -44,9 +45,9 @@ def answer_p1(target, prompt_ids: list[int], answer: list[int]) -> tuple[list[fl
 
 def plot(report: dict, path: Path):
     """Per set: the share of answer positions in each p1 bin (bars) and draft-1 acceptance there (line)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = evaluation.pyplot()
+    if plt is None:
+        return print("matplotlib is not installed: no plot")
     labels = [f"{a:.2f}–{min(b, 1):.2f}" for a, b in zip(BINS, BINS[1:])]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.4
