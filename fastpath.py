@@ -240,8 +240,10 @@ def triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots):
 def stored(t):
     """t as a buffer computed once under torch.compile (eager: t itself). There a cheap value that
     several Triton kernel calls read, such as the slots or the RoPE tables, is otherwise recomputed
-    into a fresh buffer for every call: 3.5 kernels per target layer (inductor's `copy_input`)."""
-    return torch.ops.prims.inductor_force_stride_order(t, t.stride()) if torch.compiler.is_compiling() else t
+    into a fresh buffer for every call: 3.5 kernels per target layer (inductor's `copy_input`). A view
+    with explicit strides needs storage, so inductor realizes t once, whatever its size; asking for a
+    stride order instead skips tensors of one element, the 1-row step's slots."""
+    return t.as_strided(t.size(), t.stride()) if torch.compiler.is_compiling() else t
 
 
 class DenseTarget:
@@ -270,7 +272,6 @@ class DenseTarget:
         attn = self.layers[0].self_attn
         self.head_dim, self.num_kv_heads = attn.head_dim, target.config.num_key_value_heads
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb   # the model's own RoPE
-        import torch._inductor.inductor_prims   # noqa: F401  registers prims.inductor_force_stride_order (`stored`)
         shape = (batch_size, self.num_kv_heads, capacity, self.head_dim)
         self.batch_keys = zeros(len(self.layers), shape, self.qkv[0])                   # T × (Bt, hk, C, d)
         self.batch_values = zeros(len(self.layers), shape, self.qkv[0])

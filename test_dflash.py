@@ -1550,12 +1550,15 @@ def test_fastpath_parts_trace_as_one_graph_each(targets32, drafters, family, fmt
         assert all(torch.equal(a, b) for a, b in zip(traced.buf.tensors(), eager.buf.tensors()))
 
 
-def test_fastpath_parts_compiled_by_inductor_follow_eager(targets32, drafters):
-    """The draft and verify parts compiled by inductor on CPU, static shapes as capture_graphs compiles
-    them (with `fastpath.stored` lowered to a stored buffer), advance the buffers as the eager parts do
-    over three steps, within 1e-5: inductor's fp32 code is not bit-equal to eager's."""
-    target, drafter = targets32["llama"], drafters("llama", "zlab-new", 5, torch.float32)
-    with closing(fastpath.Decoder(target, drafter, 32, 4)) as eager, closing(fastpath.Decoder(target, drafter, 32, 4)) as traced:
+@pytest.mark.parametrize("step", ["dflash", "target-only"])
+def test_fastpath_parts_compiled_by_inductor_follow_eager(targets32, drafters, step):
+    """The parts of a step compiled by inductor on CPU, static shapes as capture_graphs compiles them
+    (with `fastpath.stored` lowered to a stored buffer): draft and a 5-row verify, or the target alone's
+    1-row verify. They advance the buffers as the eager parts do over three steps, within 1e-5:
+    inductor's fp32 code is not bit-equal to eager's."""
+    target = targets32["llama"]
+    drafter, K = (drafters("llama", "zlab-new", 5, torch.float32), 4) if step == "dflash" else (None, 0)
+    with closing(fastpath.Decoder(target, drafter, 32, K)) as eager, closing(fastpath.Decoder(target, drafter, 32, K)) as traced:
         torch._dynamo.reset()
         compiled = [torch.compile(part, fullgraph=True, dynamic=False) for part in traced.parts().values()]
         for dec, parts in ((eager, list(eager.parts().values())), (traced, compiled)):
@@ -1563,6 +1566,43 @@ def test_fastpath_parts_compiled_by_inductor_follow_eager(targets32, drafters):
         assert eager.buf.result.abs().sum() > 0
         for a, b in zip(traced.buf.tensors(), eager.buf.tensors()):
             assert torch.allclose(a.double(), b.double(), atol=1e-5, rtol=0), (a - b).abs().max()
+
+
+torch.library.define("dflash_test::read_slots", "(Tensor slots, Tensor(a!) keys) -> Tensor")
+
+
+@torch.library.impl("dflash_test::read_slots", "cpu")
+def _read_slots(slots, keys):   # an opaque op that reads the slots, as fastpath's Triton kernels do
+    keys[0, slots[0, -1]] += 1
+    return keys[0, slots[0, -1]].sum()
+
+
+@torch.library.register_fake("dflash_test::read_slots")
+def _read_slots_fake(slots, keys):
+    return keys.new_empty(())
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_stored_values_are_computed_once_under_inductor(rows):
+    """A cheap value that three opaque calls read (as the slots are read by each layer's Triton kernels):
+    inductor computes it once when it passes through `fastpath.stored`, and once per call without it,
+    counted in the generated CPU code. One row too, the target-only step's slots: asking inductor for a
+    stride order leaves a one-element value unstored."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+
+    def slot_kernels(store):
+        def step(start, keys):
+            slots = store((start + torch.arange(rows))[None])                              # (1, rows)
+            return sum(torch.ops.dflash_test.read_slots(slots, keys[l]) for l in range(3))
+        torch._dynamo.reset()
+        keys = torch.zeros(3, 1, 64)
+        result, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), torch.tensor(5), keys)
+        assert result == 3 and keys[:, 0, 5 + rows - 1].tolist() == [1.0] * 3     # each call ran and read slot 5+rows-1
+        return re.findall(r"^\s+(cpp_fused\w*arange\w*)\(", code, re.M)
+
+    assert len(slot_kernels(lambda t: t)) == 3
+    assert len(slot_kernels(fastpath.stored)) == 1
 
 
 @pytest.mark.gpu
@@ -1597,25 +1637,30 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphed_verify_builds_the_rope_tables_once(checkpoints, tmp_path):
-    """The captured verify of a bf16 Llama target computes its RoPE tables in a few kernels, not one for
-    each layer's Triton kernels (`fastpath.stored`: inductor recomputed a cheap value read by several of
-    them into a fresh buffer for each, 3.5 kernels per layer). The target and the drafter context each
-    have tables, so up to three kernels."""
+def test_graphed_verify_builds_the_rope_tables_and_slots_once(checkpoints, tmp_path):
+    """The captured verify of a bf16 Llama target computes its RoPE tables and its K/V slots in a few
+    kernels, not in one for each layer's Triton kernels (`fastpath.stored`: inductor recomputed a cheap
+    value read by several of them into a fresh buffer for each, 3.5 kernels per layer). With a drafter
+    (a 6-row verify: the target and the drafter context each have tables) and for the target alone (a
+    1-row verify, whose one-element slots a stride order did not store), up to three of each."""
     from torch.profiler import ProfilerActivity, profile
     target = dflash.load_target(str(checkpoints["llama"]), torch.bfloat16, "cuda")
     drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6)), target,
                                   torch.bfloat16, "cuda")
-    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
-    with closing(fastpath.Decoder(target, drafter, fastpath.capacity_for(len(prompt), 16, 5), 5)) as dec:
-        dec.generate(prompt, 16)                                                         # captures the graphs
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            dec.graphs["verify"].replay()
-            torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    tables = [name for name in kernels if "cos" in name]
-    print(f"verify: {len(kernels)} kernels for {target.config.num_hidden_layers} layers; RoPE tables in {tables}")
-    assert "_heads_into_place" in kernels and 1 <= len(tables) <= 3 < target.config.num_hidden_layers, tables
+    prompt, layers = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], target.config.num_hidden_layers
+    for pair, K in ((drafter, 5), (None, 0)):
+        with closing(fastpath.Decoder(target, pair, fastpath.capacity_for(len(prompt), 16, K), K)) as dec:
+            dec.generate(prompt, 16)                                                     # captures the graphs
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dec.graphs["verify"].replay()
+                torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        tables, slots = [n for n in kernels if "cos" in n], [n for n in kernels if "arange" in n]
+        print(f"{K + 1}-row verify: {len(kernels)} kernels for {layers} layers; RoPE tables in {tables}; "
+              f"slots in {slots}")
+        assert "_heads_into_place" in kernels
+        assert 1 <= len(tables) <= 3 < layers, tables
+        assert len(slots) <= 3 < layers, slots
 
 
 @pytest.mark.gpu
