@@ -546,10 +546,10 @@ def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
     slots start..start+W-1 (past the committed context, overwritten by the next append), and each row
     attends to a range of slots there."""
     W, device = len(block_embeds), block_embeds.device
-    positions = stored(buf.start + torch.arange(W, device=device))                     # (W,)
+    positions = buf.start + torch.arange(W, device=device)                             # (W,)
     x, tables = block_embeds, drafter.module.rope_tables(positions, block_embeds.dtype)   # x (W, H)
     for l, layer in enumerate(drafter.module.layers):
-        first, last = (s if s is None else stored(s) for s in visible_slots(positions, layer.causal, layer.window))
+        first, last = visible_slots(positions, layer.causal, layer.window)
         x = draft_layer(layer, drafter.gate_up[l], buf.ctx_keys[l], buf.ctx_values[l], x,
                         tables[layer.self_attn.rope_theta], positions, first, last)     # (W, H)
     return drafter.module.norm(x)                                                       # (W, H)

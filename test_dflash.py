@@ -1637,14 +1637,13 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphed_step_builds_the_rope_tables_and_slots_once(checkpoints, tmp_path):
-    """The captured step of a bf16 Llama target computes its RoPE tables and its slots in a few kernels,
+def test_graphed_verify_builds_the_rope_tables_and_slots_once(checkpoints, tmp_path):
+    """The captured verify of a bf16 Llama target computes its RoPE tables and its slots in a few kernels,
     not in one for each layer's Triton kernels (`fastpath.stored`: inductor recomputed a cheap value
     read by several of them into a fresh buffer for each, 3.5 kernels per target layer). With a
-    drafter (a 6-row verify: the target and the drafter context each have tables; the draft part's
-    block positions and visible ranges) and for the target alone (a 1-row verify, whose one-element
-    slots a stride order did not store). A kernel that computes slots alone is named for an arange or
-    an expand and nothing but index arithmetic."""
+    drafter (a 6-row verify: the target and the drafter context each have tables) and for the target
+    alone (a 1-row verify, whose one-element slots a stride order did not store). A kernel that
+    computes slots alone is named for an arange or an expand and nothing but index arithmetic."""
     import re
     from torch.profiler import ProfilerActivity, profile
 
@@ -1654,23 +1653,21 @@ def test_graphed_step_builds_the_rope_tables_and_slots_once(checkpoints, tmp_pat
         return ("arange" in ops or "expand" in ops) and not re.sub(index_math, "", ops)
 
     target = dflash.load_target(str(checkpoints["llama"]), torch.bfloat16, "cuda")
-    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6, num_layers=3)),
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6)),
                                   target, torch.bfloat16, "cuda")
     prompt, layers = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], target.config.num_hidden_layers
     for pair, K in ((drafter, 5), (None, 0)):
         with closing(fastpath.Decoder(target, pair, fastpath.capacity_for(len(prompt), 16, K), K)) as dec:
             dec.generate(prompt, 16)                                                     # captures the graphs
-            for part, graph in dec.graphs.items():
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    graph.replay()
-                    torch.cuda.synchronize()
-                kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-                tables, slots = [n for n in kernels if "cos" in n], [n for n in kernels if slots_alone(n)]
-                print(f"{K + 1}-row {part}: {len(kernels)} kernels; RoPE tables in {tables}; slots alone in {slots}")
-                assert len(slots) <= 1, slots
-                if part == "verify":
-                    assert "_heads_into_place" in kernels
-                    assert 1 <= len(tables) <= 3 < layers, tables
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dec.graphs["verify"].replay()
+                torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        tables, slots = [n for n in kernels if "cos" in n], [n for n in kernels if slots_alone(n)]
+        print(f"{K + 1}-row verify: {len(kernels)} kernels; RoPE tables in {tables}; slots alone in {slots}")
+        assert "_heads_into_place" in kernels
+        assert 1 <= len(tables) <= 3 < layers, tables
+        assert len(slots) <= 1, slots
 
 
 @pytest.mark.gpu
