@@ -5,7 +5,7 @@
 #   restore: put everything back.   HOLD (default ../hold beside the checkout) keeps what is moved.
 set -e
 cd "$(git rev-parse --show-toplevel)"; H=${HOLD:-../hold}; D=drafter/SmolLM2-135M-Instruct-DFlash-b16
-KEEP="results/h200-2026-12-04-phase13"
+KEEP=${KEEP:-results/h200-2026-12-04-phase13}   # the session folder that stays in the tree
 case $1 in
   a|b) mkdir -p $H/results $H/drafter
        for f in results/*; do case " $KEEP " in *" $f "*) ;; *) mv $f $H/results/ ;; esac; done
