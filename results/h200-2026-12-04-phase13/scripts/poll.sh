@@ -2,6 +2,7 @@
 # Follow pipeline.sh for up to $1 seconds: print its progress as it grows; once it is done, copy its
 # outputs to $OUT (the calls after c2.sh run this alone: bash poll.sh SECONDS); while it runs, bring back
 # every run's training.json and the snapshot of the latest run (train saves one at each held-out estimate).
+# NEW: the runs' prefix, as pipeline.sh was given it (default d13).
 STASH=${STASH:-/root/stash}; T0=$(date +%s); seen=0
 [ -e $STASH/end ] || { echo "STASH LOST: no pipeline here"; ls -la $STASH; exit 5; }
 while :; do
@@ -13,8 +14,8 @@ while :; do
 done
 L=$(ls -t $STASH/logs/train-*.log 2>/dev/null | head -n 1); [ -n "$L" ] && tail -n 2 $L
 echo "pipeline running; $(( $(cat $STASH/end) - $(date +%s) ))s to its end"
-for R in $STASH/d13?; do [ -e $R/training.json ] && cp $R/training.json $OUT/training-$(basename $R).json; done   # every run's line
-D=$(ls -td $STASH/d13? 2>/dev/null | head -n 1)
+for R in $STASH/${NEW:-d13}?; do [ -e $R/training.json ] && cp $R/training.json $OUT/training-$(basename $R).json; done   # every run's line
+D=$(ls -td $STASH/${NEW:-d13}? 2>/dev/null | head -n 1)
 if [ -n "$D" ] && [ -e $D/model.safetensors ]; then
   cp $D/training.json $OUT/training-$(basename $D).json && cp $D/config.json $OUT/config-$(basename $D).json
   split -b 15000000 -d -a 1 $D/model.safetensors $OUT/snapshot-$(basename $D).safetensors.part
