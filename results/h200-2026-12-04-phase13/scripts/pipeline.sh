@@ -8,7 +8,8 @@
 # if it beats 11a's 3.057 there. The outputs are packed into $STASH/out. Everything ends by $STASH/end.
 # Another phase sets (environment; the defaults are phase 13's): INIT (the stashed drafter it starts from),
 # START_TAU (INIT's held-out τ on 11a's everyday turns), NEW (the runs' prefix: NEW a, NEW b), SELF_SEED,
-# CODE_SEED, ANSWER_SEED, NSELF, LR, ARGS_B (run (b)'s extra arguments; none: no run (b)).
+# CODE_SEED, ANSWER_SEED, NSELF, LR, ARGS_B (run (b)'s extra arguments; none: no run (b)), and the
+# seconds for the new turns and their answers, PROMPTS_S and SELF_BUDGET.
 STASH=${STASH:-/root/stash}; cd $STASH/code
 END=$(cat $STASH/end); T0=$(date +%s)
 mkdir -p $STASH/logs $STASH/out
@@ -41,7 +42,7 @@ distill() {   # name, budget, args...
     --time-budget $budget "$@" 2>&1 | tr '\r' '\n' | grep -v "^ *$" > $STASH/logs/distill-$name.log
   say "distill $name: rc ${PIPESTATUS[0]}; $(grep -v 'answer/s\]$' $STASH/logs/distill-$name.log | grep -vi warn | tail -n 1)"
 }
-timeout 120 python3 train.py prompts --source self --target $DIR --out $STASH/self${NEW#d}-prompts.json.xz --num-prompts $NSELF \
+timeout ${PROMPTS_S:-120} python3 train.py prompts --source self --target $DIR --out $STASH/self${NEW#d}-prompts.json.xz --num-prompts $NSELF \
   --batch-size 2048 --temperature 1.0 --seed $SELF_SEED > $STASH/logs/prompts-self.log 2>&1
 say "prompts self: rc $?; $(grep -vi warn $STASH/logs/prompts-self.log | tail -n 1)"
 distill code 40 --prompts $STASH/code-prompts.json.xz --out $STASH/code${NEW#d}.pt --num-prompts 4790 --temperatures 0 0.8 \
