@@ -243,8 +243,8 @@ def stored(t):
     into a fresh buffer for every call: 3.5 kernels per target layer (inductor's `copy_input`). A view
     with explicit strides needs storage, so inductor realizes t once, whatever its size; asking for a
     stride order instead skips tensors of one element, the 1-row step's slots. Pass fresh values or
-    views at offset 0: inductor up to torch 2.11 drops a view's storage offset here (the positions'
-    last slot, `positions[-1].expand(W)`, read as their first)."""
+    views at offset 0: torch 2.11's inductor (2.13 keeps it) drops a view's storage offset here (the
+    positions' last slot, `positions[-1].expand(W)`, read as their first)."""
     return t.as_strided(t.size(), t.stride()) if torch.compiler.is_compiling() else t
 
 
