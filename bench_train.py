@@ -154,7 +154,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             indices = torch.randperm(len(sequences), generator=g)[:batch].tolist()   # a new shape nearly every step
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            features, labels = train.pad_positions(*store.batch(indices), pad[0])
+            features, labels, _ = train.pad_positions(*store.batch(indices), pad[0])
             blocks = train.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
                                        g, labels=labels, pad_to=pad[1])
             with train.autocast(features.device):

@@ -1814,20 +1814,29 @@ def test_attention_groups_keep_each_group_to_one_sequence():
 
 def test_batched_capture_equals_one_sequence_at_a_time(tiny):
     """The padded batch pass gives each sequence's features at its real positions exactly as a pass
-    over that sequence alone (the context the drafter sees at inference)."""
+    over that sequence alone (the context the drafter sees at inference), its labels the target's
+    argmax, and its teacher states what the LM head turns into the target's own logits there."""
     _, target, sequences = tiny
     ids, lengths = train.pad_sequences(sequences[:5])
     layer_ids = [1, 2, 4]
-    features, labels = train.capture_features(target, ids, lengths, layer_ids, torch.float32)   # (Bt, N, n·H), (Bt, N)
-    assert features.shape == (5, int(lengths.max()), 3 * H)
+    # (Bt, N, n·H), (Bt, N), (Bt, N, H)
+    features, labels, teacher = train.capture_features(target, ids, lengths, layer_ids, torch.float32, with_teacher=True)
+    assert features.shape == (5, int(lengths.max()), 3 * H) and teacher.shape == (5, int(lengths.max()), H)
+    head = target.get_output_embeddings()
     for b, seq in enumerate(sequences[:5]):
+        n = len(seq.ids)
         with torch.no_grad():
             logits, alone = forward_with_capture(target, seq.ids, layer_ids)
-        torch.testing.assert_close(features[b, :len(seq.ids)], alone, rtol=1e-5, atol=1e-5)
+            teacher_logits = head(teacher[b, 1:n])                                     # (n-1, V)
+        torch.testing.assert_close(features[b, :n], alone, rtol=1e-5, atol=1e-5)
         # the target's own label of position p is its argmax at p - 1: the greedy text itself here
-        assert labels[b, 1:len(seq.ids)].tolist() == logits[:-1].argmax(-1).tolist()
-        assert labels[b, seq.prompt_len:len(seq.ids)].tolist() == seq.ids[seq.prompt_len:].tolist()
-        assert labels[b, 0] == train.IGNORE and (labels[b, len(seq.ids):] == train.IGNORE).all()
+        assert labels[b, 1:n].tolist() == logits[:-1].argmax(-1).tolist()
+        assert labels[b, seq.prompt_len:n].tolist() == seq.ids[seq.prompt_len:].tolist()
+        assert labels[b, 0] == train.IGNORE and (labels[b, n:] == train.IGNORE).all()
+        # the teacher at p is the target's state at p - 1: its logits there, zeros where there is no label
+        torch.testing.assert_close(teacher_logits, logits[:-1], rtol=1e-5, atol=1e-5)
+        assert not teacher[b, 0].any() and not teacher[b, n:].any()
+    assert train.capture_features(target, ids, lengths, layer_ids, torch.float32)[2] is None
 
 
 def test_time_budget_refits_the_schedule():
@@ -2142,16 +2151,53 @@ def test_frozen_head_cross_entropy_equals_full_logits():
     torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
-def head_chunk_cases(device, dtype, rows, vocab):
-    """Logits (rows, vocab) in `dtype`, labels and row weights, and the float64 chunk loss and gradient."""
+def test_frozen_head_distillation_equals_full_logits_kl():
+    """With teacher states, the chunked loss through the frozen head is logit distillation: it equals
+    the weighted KL(teacher ‖ drafter) of the whole logits matrices, value and gradient (float64), it is
+    zero where the drafter's states are the teacher's, and compiled (train --compile) its chunk gives
+    the eager loss and gradient within float32 rounding on CPU."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    teacher = torch.randn(50, 8, dtype=torch.float64, generator=g)
+    head = torch.randn(30, 8, dtype=torch.float64, generator=g)
+    labels, w = torch.randint(0, 30, (50,), generator=g), torch.rand(50, dtype=torch.float64, generator=g)
+    loss = train.FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7, train.soft_chunk_grad, teacher)
+    (grad,) = torch.autograd.grad(2 * loss, hidden)
+    full = hidden.detach().requires_grad_(True)
+    kl = F.kl_div((full @ head.T).log_softmax(-1), (teacher @ head.T).log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)                                             # (50,)
+    (want_grad,) = torch.autograd.grad(2 * (w * kl).sum(), full)
+    torch.testing.assert_close(loss, (w * kl).sum(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
+    same = train.FrozenHeadCrossEntropy.apply(teacher, head, labels, w, 7, train.soft_chunk_grad, teacher)
+    assert abs(same.item()) < 1e-12 and loss.item() > 0.1
+    torch._dynamo.reset()
+    compiled = train.head_loss_chunk(True, soft=True)
+    logits, teacher_logits = (3 * torch.randn(37, 1000, generator=g) for _ in range(2))
+    w = torch.rand(37, generator=g)
+    eager_loss, eager_grad = train.soft_chunk_grad(logits, teacher_logits, w)
+    compiled_loss, compiled_grad = compiled(logits, teacher_logits, w)
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-7)
+
+
+def head_chunk_cases(device, dtype, rows, vocab, soft=False):
+    """Logits (rows, vocab) in `dtype`, labels (with `soft`, the teacher's logits) and row weights, and
+    the float64 chunk loss (cross-entropy, or KL to the teacher) and its gradient."""
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(rows, vocab, generator=g)).to(device, dtype)
     labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    teacher_logits = (3 * torch.randn(rows, vocab, generator=g)).to(device, dtype)
     w = torch.rand(rows, generator=g).to(device)
     exact = logits.double().requires_grad_(True)
-    want = (w.double() * F.cross_entropy(exact, labels, reduction="none")).sum()
+    if soft:
+        per_row = F.kl_div(exact.log_softmax(-1), teacher_logits.double().log_softmax(-1), log_target=True,
+                           reduction="none").sum(-1)                                  # (rows,)
+    else:
+        per_row = F.cross_entropy(exact, labels, reduction="none")                    # (rows,)
+    want = (w.double() * per_row).sum()
     (want_grad,) = torch.autograd.grad(want, exact)
-    return logits, labels, w, want.detach(), want_grad
+    return logits, teacher_logits if soft else labels, w, want.detach(), want_grad
 
 
 def test_compiled_head_chunk_equals_eager_on_cpu():
@@ -2190,15 +2236,17 @@ def test_step_loss_waits_for_its_own_step_only():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_head_chunk_on_cuda():
+@pytest.mark.parametrize("soft", [False, True], ids=["argmax", "distillation"])
+def test_compiled_head_chunk_on_cuda(soft):
     """The compiled head loss chunk on CUDA at SmolLM2's vocabulary, bf16 logits as training runs them
-    (a full chunk and a short last one): its error against float64 autograd stays within twice the eager
-    chunk's own error plus 1e-6 of the largest exact value, for the loss and the bf16 gradient to the logits."""
+    (a full chunk and a short last one), cross-entropy or logit distillation: its error against float64
+    autograd stays within twice the eager chunk's own error plus 1e-6 of the largest exact value, for
+    the loss and the bf16 gradient to the logits."""
     torch._dynamo.reset()
-    compiled = train.head_loss_chunk(True)
+    compiled, eager = train.head_loss_chunk(True, soft), train.head_loss_chunk(False, soft)
     for rows in (train.CE_CHUNK, 1000):
-        logits, labels, w, want, want_grad = head_chunk_cases("cuda", torch.bfloat16, rows, 49152)
-        eager_loss, eager_grad = train.head_chunk_grad(logits, labels, w)
+        logits, labels, w, want, want_grad = head_chunk_cases("cuda", torch.bfloat16, rows, 49152, soft)
+        eager_loss, eager_grad = eager(logits, labels, w)
         loss, grad = compiled(logits, labels, w)
         assert grad.dtype == torch.bfloat16
         for got, ref in [(loss, eager_loss), (grad, eager_grad)]:
@@ -2228,6 +2276,28 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):
     live_sharded = [h["loss"] for h in train.train(target, drafter.double(), sequences[:16], [], cfg, progress=False,
                                                    store=train.LiveFeatures)]
     assert runs["sharded"] == pytest.approx(live_sharded, rel=1e-10)
+
+
+def test_distillation_trains_alike_from_the_cache_and_a_target_pass(tiny):
+    """Logit distillation (cfg.soft_labels) trains on teacher states cached with the features exactly as
+    on a target pass per step (float64); its loss is the KL to the target's distribution, not the
+    cross-entropy to its argmax, and it falls."""
+    path, _, sequences = tiny
+    target = dflash.load_target(str(path), torch.float64, "cpu")
+    runs = {}
+    for name, store, cache_tokens, soft in [("live", train.LiveFeatures, None, True),
+                                            ("cached", train.CachedFeatures, None, True),
+                                            ("hard", train.CachedFeatures, None, False)]:
+        _, drafter = fresh_drafter(target)
+        cfg = train.TrainConfig(epochs=2, batch_size=4, anchors=6, lr=3e-3, eval_every=100, cache_tokens=cache_tokens,
+                                soft_labels=soft)
+        runs[name] = [h["loss"] for h in train.train(target, drafter.double(), sequences[:16], [], cfg, progress=False,
+                                                     store=store)]
+    assert len(runs["live"]) == 8 and runs["live"][-1] < runs["live"][0]
+    assert runs["cached"] == pytest.approx(runs["live"], rel=1e-10)
+    # the first step's batch and drafter are the same: near-uniform drafts are closer to the target's
+    # distribution than to its argmax
+    assert runs["live"][0] < runs["hard"][0] - 0.1
 
 
 def test_an_epoch_starts_with_the_shard_still_cached(tiny, monkeypatch):
@@ -2328,8 +2398,11 @@ def test_padded_shapes_train_exactly_like_unpadded(tiny):
     g = torch.Generator().manual_seed(0)
     padded = train.make_blocks(sequences[:3], 5, 6, 95, g, pad_to=8)
     assert len(padded.anchors) % 8 == 0 and (padded.labels[15:] == train.IGNORE).all()
-    features, labels = train.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long), 16)
+    features, labels, teacher = train.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long),
+                                                    torch.ones(2, 10, 3), 16)
     assert features.shape == (2, 16, 4) and features[:, 10:].eq(0).all() and labels[:, 10:].eq(train.IGNORE).all()
+    assert teacher.shape == (2, 16, 3) and teacher[:, 10:].eq(0).all() and teacher[:, :10].eq(1).all()
+    assert train.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long), None, 16)[2] is None
 
 
 @pytest.mark.gpu
@@ -2583,8 +2656,8 @@ def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(tiny, tmp_path):
 
     def fixed_loss():
         with torch.no_grad():
-            features, _ = train.capture_features(target, fixed.ids, fixed.lengths, drafter.config.target_layer_ids,
-                                                 torch.float32, with_labels=False)
+            features, _, _ = train.capture_features(target, fixed.ids, fixed.lengths, drafter.config.target_layer_ids,
+                                                    torch.float32, with_labels=False)
             return train.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
                                     weights).item()
 
@@ -2713,9 +2786,11 @@ def test_train_cli_writes_a_loadable_drafter(tiny, tmp_path):
     dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
     again = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out",
                           str(tmp_path / "d2"), "--init", str(tmp_path / "d"), "--max-steps", "1", "--heldout", "4",
-                          "--device", "cpu", "--save-dtype", "float32")
+                          "--device", "cpu", "--save-dtype", "float32", "--soft-labels")
     assert again.returncode == 0, again.stderr
-    at_init = json.loads((tmp_path / "d2" / "training.json").read_text())["at_init"]
+    log2 = json.loads((tmp_path / "d2" / "training.json").read_text())
+    assert log2["train_config"]["soft_labels"] and log2["history"][0]["loss"] > 0
+    at_init = log2["at_init"]
     assert f"held-out τ {at_init['heldout_tau']:.2f} before training" in again.stderr
     # d2 starts from d, saved in float32: before training it walks the held-out answers as d did last
     assert at_init["heldout_tau"] == pytest.approx(log["history"][-1]["heldout_tau"], rel=1e-6)
@@ -2757,8 +2832,8 @@ def test_grown_drafter_starts_where_its_checkpoint_stands(tiny, tmp_path):
     assert len(bigger.layers) == 3 and bigger_raw["num_hidden_layers"] == 3 and raw["num_hidden_layers"] == 1
     assert bigger_raw["layer_types"] == ["full_attention"] * 3
     blocks = train.make_blocks(sequences[:6], 8, 4, MASK, torch.Generator().manual_seed(0))
-    features, _ = train.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
-                                         torch.float32, with_labels=False)
+    features, _, _ = train.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
+                                            torch.float32, with_labels=False)
     with torch.no_grad():
         before = train.draft_hidden(target, drafter, blocks, features)                 # (M, B, H)
         after = train.draft_hidden(target, bigger, blocks, features)

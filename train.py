@@ -531,14 +531,16 @@ def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_tok
     return Blocks(ids, lengths, sequence, anchors, block_ids, row_labels)
 
 
-def pad_positions(features, labels, multiple: int):
-    """Features (Bt, N, n·H) and labels (Bt, N) padded with zeros and IGNORE to N a multiple of
-    `multiple`: positions past every sequence's end are hidden from every block (each anchor lies
-    before its end) and carry no label, so the loss is unchanged, and steps repeat fewer shapes."""
+def pad_positions(features, labels, teacher, multiple: int):
+    """Features (Bt, N, n·H), labels (Bt, N) and teacher states (Bt, N, H) or None padded with zeros
+    and IGNORE to N a multiple of `multiple`: positions past every sequence's end are hidden from every
+    block (each anchor lies before its end) and carry no label, so the loss is unchanged, and steps
+    repeat fewer shapes."""
     extra = -features.shape[1] % multiple
     if not extra:
-        return features, labels
-    return torch.nn.functional.pad(features, (0, 0, 0, extra)), torch.nn.functional.pad(labels, (0, extra), value=IGNORE)
+        return features, labels, teacher
+    pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, 0, 0, extra))
+    return pad(features), torch.nn.functional.pad(labels, (0, extra), value=IGNORE), pad(teacher)
 
 
 GROUP_ROWS = 128   # block rows per attention group: the query tile of the fused attention kernels
@@ -612,50 +614,68 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors, group: int | None 
 
 
 @torch.no_grad()
-def capture_features(target, ids, lengths, layer_ids: list[int], dtype, with_labels: bool = True):
+def capture_features(target, ids, lengths, layer_ids: list[int], dtype, with_labels: bool = True,
+                     with_teacher: bool = False):
     """One batched pass of the frozen target over right-padded ids (Bt, N) -> captured features
-    (Bt, N, n·H) and the target's own label of every position (Bt, N): its argmax given the text
-    before, IGNORE at position 0 and past each length (None without with_labels, which also skips
-    the (Bt, N, V) logits). Attention is causal, so padding never reaches a real position. SDPA
-    leaves cuDNN out (dflash.TARGET_ATTENTION): each pass has a new padded length, and cuDNN would
-    plan every one."""
+    (Bt, N, n·H); the target's own label of every position (Bt, N): its argmax given the text before,
+    IGNORE at position 0 and past each length (None without with_labels, which also skips the LM head);
+    and with with_teacher its teacher states (Bt, N, H): at position p its final-normed state at p - 1,
+    which its LM head turns into its distribution of the token at p (zeros where the label is IGNORE).
+    Attention is causal, so padding never reaches a real position. SDPA leaves cuDNN out
+    (dflash.TARGET_ATTENTION): each pass has a new padded length, and cuDNN would plan every one."""
     device = target.get_input_embeddings().weight.device
     ids = ids.to(device)
     with closing(dflash.Capture(target, layer_ids)) as capture, sdpa_kernel(dflash.TARGET_ATTENTION):
-        logits = target(input_ids=ids, use_cache=False, logits_to_keep=0 if with_labels else 1).logits
+        if with_labels or with_teacher:
+            final = target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state   # (Bt, N, H)
+        else:
+            target(input_ids=ids, use_cache=False, logits_to_keep=1)
         features = capture.features().to(dtype)                                       # (Bt, N, n·H)
-    if not with_labels:
-        return features, None
+    if not (with_labels or with_teacher):
+        return features, None, None
+    past_end = torch.arange(ids.shape[1], device=device) >= lengths.to(device)[:, None]   # (Bt, N)
     labels = torch.full_like(ids, IGNORE)                                             # (Bt, N)
-    labels[:, 1:] = logits[:, :-1].argmax(-1)
-    labels[torch.arange(ids.shape[1], device=device) >= lengths.to(device)[:, None]] = IGNORE
-    return features, labels
+    labels[:, 1:] = target.get_output_embeddings()(final[:, :-1]).argmax(-1)
+    labels[past_end] = IGNORE
+    teacher = None
+    if with_teacher:
+        teacher = torch.zeros(*ids.shape, final.shape[-1], dtype=dtype, device=device)   # (Bt, N, H)
+        teacher[:, 1:] = final[:, :-1]
+        teacher[past_end] = 0
+    return features, labels if with_labels else None, teacher
 
 
 class LiveFeatures:
-    """Features and the target's labels for each batch of sequences, from a target pass per batch."""
+    """Features and the target's labels (and with `teacher` its teacher states) for each batch of
+    sequences, from a target pass per batch."""
 
-    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype):
+    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, teacher: bool = False):
         self.target, self.sequences, self.layer_ids, self.dtype = target, sequences, layer_ids, dtype
+        self.teacher = teacher
 
     def batch(self, indices: list[int]):
-        """-> features (Bt, N, n·H), labels (Bt, N) on the host, of sequences[indices], N their longest length."""
-        features, labels = capture_features(self.target, *pad_sequences([self.sequences[i] for i in indices]),
-                                            self.layer_ids, self.dtype)
-        return features, labels.cpu()
+        """-> features (Bt, N, n·H), labels (Bt, N) on the host, teacher states (Bt, N, H) or None, of
+        sequences[indices], N their longest length."""
+        features, labels, teacher = capture_features(self.target, *pad_sequences([self.sequences[i] for i in indices]),
+                                                     self.layer_ids, self.dtype, with_teacher=self.teacher)
+        return features, labels.cpu(), teacher
 
 
 class CachedFeatures:
-    """Features and the target's labels of every sequence, captured once: the features kept flat on
-    the device (n·H values per token), the labels on the host, so that building a batch waits for no
-    kernel; then gathered per batch, the same tensors LiveFeatures returns."""
+    """Features and the target's labels (and with `teacher` its teacher states) of every sequence,
+    captured once: the features kept flat on the device (n·H values per token, and H more for the
+    teacher), the labels on the host, so that building a batch waits for no kernel; then gathered per
+    batch, the same tensors LiveFeatures returns."""
 
-    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, tokens_per_pass: int = 16384):
+    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, teacher: bool = False,
+                 tokens_per_pass: int = 16384):
         self.device = device = target.get_input_embeddings().weight.device
         self.lengths = torch.tensor([len(s.ids) for s in sequences])                  # (S,) on the host
         self.offsets = torch.cumsum(self.lengths, 0) - self.lengths                   # (S,)
-        total, width = int(self.lengths.sum()), len(layer_ids) * target.config.get_text_config().hidden_size
+        H = target.config.get_text_config().hidden_size
+        total, width = int(self.lengths.sum()), len(layer_ids) * H
         self.features = torch.empty(total, width, dtype=dtype, device=device)         # (total, n·H)
+        self.teacher = torch.empty(total, H, dtype=dtype, device=device) if teacher else None   # (total, H)
         labels_here = torch.empty(total, dtype=torch.long, device=device)             # (total,)
         starts = self.offsets.tolist()
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))     # little padding per pass
@@ -665,25 +685,36 @@ class CachedFeatures:
             while j < len(order) and (j + 1 - i) * len(sequences[order[j]].ids) <= tokens_per_pass:
                 j += 1
             chunk = order[i:j]
-            features, labels = capture_features(target, *pad_sequences([sequences[k] for k in chunk]),
-                                                layer_ids, dtype)                      # (Bt, N, n·H), (Bt, N)
+            features, labels, teacher = capture_features(target, *pad_sequences([sequences[k] for k in chunk]),
+                                                         layer_ids, dtype, with_teacher=self.teacher is not None)
             for row, k in enumerate(chunk):
                 start, n = starts[k], len(sequences[k].ids)
                 self.features[start:start + n] = features[row, :n]
                 labels_here[start:start + n] = labels[row, :n]
+                if teacher is not None:
+                    self.teacher[start:start + n] = teacher[row, :n]
             i = j
         self.labels = labels_here.cpu()                                               # (total,) one read
 
     def batch(self, indices: list[int]):
-        """-> features (Bt, N, n·H), labels (Bt, N) on the host, of the sequences at `indices`, N their
-        longest length."""
+        """-> features (Bt, N, n·H), labels (Bt, N) on the host, teacher states (Bt, N, H) or None, of
+        the sequences at `indices`, N their longest length."""
         lengths = self.lengths[indices]                                               # (Bt,)
         positions = torch.arange(int(lengths.max()))                                  # (N,)
         past_end = positions[None] >= lengths[:, None]                                # (Bt, N)
         rows = self.offsets[indices][:, None] + torch.minimum(positions[None], lengths[:, None] - 1)   # (Bt, N)
-        features = self.features[to_device(rows, self.device)]                        # (Bt, N, n·H)
-        features = features.masked_fill(to_device(past_end, self.device)[..., None], 0)
-        return features, self.labels[rows].masked_fill(past_end, IGNORE)
+        rows_here, past_end_here = to_device(rows, self.device), to_device(past_end, self.device)[..., None]
+        features = self.features[rows_here].masked_fill(past_end_here, 0)             # (Bt, N, n·H)
+        teacher = None if self.teacher is None else self.teacher[rows_here].masked_fill(past_end_here, 0)   # (Bt, N, H)
+        return features, self.labels[rows].masked_fill(past_end, IGNORE), teacher
+
+
+def block_teacher(teacher, blocks: Blocks):
+    """Teacher states (Bt, N, H) -> each block row's (M, B, H): row k of a block at anchor a takes
+    position a+k's (clamped to N - 1 past the end, where the row has no label)."""
+    B, N, device = blocks.block_ids.shape[1], teacher.shape[1], teacher.device
+    positions = (blocks.anchors[:, None] + torch.arange(B)).clamp(max=N - 1)          # (M, B)
+    return teacher[to_device(blocks.sequence[:, None], device), to_device(positions, device)]   # (M, B, H)
 
 
 def draft_hidden(target, drafter: Drafter, blocks: Blocks, features, group: int | None = None):
@@ -720,10 +751,25 @@ def head_chunk_grad(logits, labels, row_weights):
     return loss, d_logits.to(logits.dtype)
 
 
-def head_loss_chunk(compiled: bool):
-    """The chunk function FrozenHeadCrossEntropy runs: head_chunk_grad, or for `train --compile` the same
-    compiled (inductor, dynamic rows: one compile serves every chunk length)."""
-    return torch.compile(head_chunk_grad, dynamic=True) if compiled else head_chunk_grad
+def soft_chunk_grad(logits, teacher_logits, row_weights):
+    """head_chunk_grad for logit distillation: logits and the teacher's logits (c, V) in the head's
+    dtype, row weights (c,) -> Σ w · KL(q ‖ p), q and p the softmax of the teacher's and the drafter's
+    logits, and its gradient to the logits, w · (p − q); the softmaxes in float32 (float64 for a
+    float64 head). Zero when the drafter's distribution is the target's."""
+    exact = torch.promote_types(logits.dtype, torch.float32)
+    log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
+    log_q = teacher_logits.to(exact).log_softmax(-1)                                  # (c, V)
+    q = log_q.exp()
+    loss = (row_weights * (q * (log_q - log_p)).sum(-1)).sum()
+    d_logits = (log_p.exp() - q) * row_weights[:, None]                               # (c, V)
+    return loss, d_logits.to(logits.dtype)
+
+
+def head_loss_chunk(compiled: bool, soft: bool = False):
+    """The chunk function FrozenHeadCrossEntropy runs: head_chunk_grad (soft_chunk_grad with `soft`), or
+    for `train --compile` the same compiled (inductor, dynamic rows: one compile serves every chunk length)."""
+    chunk_grad = soft_chunk_grad if soft else head_chunk_grad
+    return torch.compile(chunk_grad, dynamic=True) if compiled else chunk_grad
 
 
 class FrozenHeadCrossEntropy(torch.autograd.Function):
@@ -731,15 +777,18 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     through the head CE_CHUNK at a time, and each chunk's gradient with respect to its rows,
     w · (softmax − onehot) @ W, is taken in the forward pass (W needs none); backward only scales it.
     Logits in the head's dtype, softmax in float32 (float64 for a float64 head), as lm_logits.
-    `chunk_grad` is head_chunk_grad, or the same function compiled."""
+    `chunk_grad` is head_chunk_grad, or the same function compiled. With teacher states t_r (M, H),
+    the loss is logit distillation instead: Σ_r w_r · KL(softmax(t_r Wᵀ) ‖ softmax(h_r Wᵀ)), the
+    teacher's logits made chunk by chunk too, and chunk_grad is soft_chunk_grad (or it compiled)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad):
+    def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad, teacher=None):
         loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
         grad = torch.empty_like(hidden)                                               # (M, H)
         for i in range(0, len(hidden), chunk):
             logits = hidden[i:i + chunk].to(weight.dtype) @ weight.T                  # (c, V)
-            chunk_loss, d_logits = chunk_grad(logits, labels[i:i + chunk], row_weights[i:i + chunk])
+            wanted = labels[i:i + chunk] if teacher is None else teacher[i:i + chunk].to(weight.dtype) @ weight.T
+            chunk_loss, d_logits = chunk_grad(logits, wanted, row_weights[i:i + chunk])
             loss += chunk_loss
             grad[i:i + chunk] = (d_logits @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad)
@@ -748,36 +797,41 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
 CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) logits at a time
 
 
-def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad):
+def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teacher=None):
     """Cross-entropy through the target's LM head, weighted by block row, normalised by the weight sum.
     hidden (M, B, H), labels (M, B) on the host (make_blocks', so that finding the labelled rows waits
-    for no kernel), weights (B,); chunk_grad as FrozenHeadCrossEntropy's."""
+    for no kernel), weights (B,); chunk_grad as FrozenHeadCrossEntropy's. With teacher states (M, B, H)
+    (block_teacher), the KL to the target's distribution at each labelled row instead (chunk_grad
+    soft_chunk_grad)."""
     device, flat = hidden.device, labels.flatten()                                    # (M·B,)
     rows = (flat != IGNORE).nonzero()[:, 0]                                           # (R,) the labelled rows
-    w = weights[to_device(rows % labels.shape[1], device)]                            # (R,)
+    rows_here = to_device(rows, device)
+    w = weights[rows_here % labels.shape[1]]                                          # (R,)
     head = target.get_output_embeddings().weight                                      # (V, H)
-    return FrozenHeadCrossEntropy.apply(hidden.flatten(0, 1)[to_device(rows, device)], head,
-                                        to_device(flat[rows], device), w, CE_CHUNK, chunk_grad) / w.sum()
+    wanted = None if teacher is None else teacher.flatten(0, 1)[rows_here]            # (R, H)
+    return FrozenHeadCrossEntropy.apply(hidden.flatten(0, 1)[rows_here], head, to_device(flat[rows], device), w,
+                                        CE_CHUNK, chunk_grad, wanted) / w.sum()
 
 
-def step_flops(drafter: Drafter, target, blocks: Blocks, N: int) -> float:
+def step_flops(drafter: Drafter, target, blocks: Blocks, N: int, soft: bool = False) -> float:
     """Matmul FLOPs of one training step as run (padded context included), forward and backward:
     context projection and K/V over Bt·N positions, the layers over M·B rows attending to N+B keys
     (the other blocks of a row's attention group, masked, are not counted),
-    and the frozen head over the labelled rows (its forward and the gradient to the rows)."""
+    and the frozen head over the labelled rows (its forward and the gradient to the rows; with `soft`,
+    the teacher's logits too)."""
     cfg, tcfg = drafter.config, target.config.get_text_config()
     H, h, hk, d, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     context = len(blocks.lengths) * N * (drafter.fc.weight.numel() + L * 2 * hk * d * H)
     rows = blocks.block_ids.numel()
     layer = (h + 2 * hk) * d * H + h * d * H + 3 * H * cfg.intermediate_size + 2 * h * d * (N + cfg.block_size)
     head_rows = int((blocks.labels != IGNORE).sum())
-    return 3 * 2 * (context + rows * L * layer) + 2 * 2 * head_rows * H * tcfg.vocab_size
+    return 3 * 2 * (context + rows * L * layer) + (3 if soft else 2) * 2 * head_rows * H * tcfg.vocab_size
 
 
 @torch.no_grad()
@@ -792,7 +846,7 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
     rounds = []
     for i in range(0, len(sequences), batch_size):
         batch = sequences[i:i + batch_size]
-        features, _ = capture_features(target, *pad_sequences(batch), drafter.config.target_layer_ids, dtype,
+        features, _, _ = capture_features(target, *pad_sequences(batch), drafter.config.target_layer_ids, dtype,
                                        with_labels=False)   # the walk compares drafts with the text itself
         anchors = [choose_anchors(s, len(s.ids), B, None, full_only=True) for s in batch]   # every full-block anchor
         accepted_at = [{} for _ in batch]                                             # anchor -> drafts accepted
@@ -866,6 +920,7 @@ class TrainConfig:
     cache_tokens: int | None = None   # most tokens whose features are cached at once; None: the whole set
     pad_shapes: tuple[int, int] = (1, 1)   # a step's context length and block count rounded up to multiples of these
     compile: bool = False           # torch.compile the drafter's forward and the head's loss (dynamic shapes)
+    soft_labels: bool = False       # logit distillation: KL to the target's distribution, not CE to its argmax
     seed: int = 0                   # sequence order and anchors
 
 
@@ -956,9 +1011,9 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
           progress: bool = True, store=CachedFeatures, more_heldout: dict[str, list[Sequence]] | None = None,
           on_estimate=None) -> list[dict]:
     """Train fc, hidden_norm, the layers and norm of `drafter` on self-distilled sequences; the
-    target, its embeddings and LM head stay frozen. The target's features and labels come from
-    `store`: by default captured once (CachedFeatures, cfg.cache_tokens at a time), or LiveFeatures,
-    a target pass per step. Returns the history: loss, blocks/s and TFLOP/s per step, held-out τ
+    target, its embeddings and LM head stay frozen. The target's features and labels (and with
+    cfg.soft_labels its teacher states) come from `store`: by default captured once (CachedFeatures,
+    cfg.cache_tokens at a time), or LiveFeatures, a target pass per step. Returns the history: loss, blocks/s and TFLOP/s per step, held-out τ
     every cfg.eval_every steps (`heldout_tau`; the sets of `more_heldout`, e.g. another data file's,
     under `heldout_more` by name). After each estimate but the last, on_estimate(history so far) runs
     with the drafter as it stands (cmd_train saves it: a run cut short keeps its last estimated point)."""
@@ -972,7 +1027,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     drafter.train().requires_grad_(True)
     if cfg.compile:   # in place: the module, its parameters and their names stay the checkpoint's
         drafter.compile(dynamic=True)
-    chunk_grad = head_loss_chunk(cfg.compile)   # compiled: fused passes over each chunk's logits, not one per op
+    chunk_grad = head_loss_chunk(cfg.compile, cfg.soft_labels)   # compiled: fused passes over each chunk's logits
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
     steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)
                           for run in shards(list(range(len(sequences))), sequences, cfg.cache_tokens, cfg.batch_size))
@@ -1031,7 +1086,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                         queued = read_back(queued)
                     t_capture = time.perf_counter()
                     features_of = None   # free the last shard's cache before capturing the next
-                    features_of = store(target, [sequences[i] for i in run], layer_ids, dtype)
+                    features_of = store(target, [sequences[i] for i in run], layer_ids, dtype, cfg.soft_labels)
                     where = {i: k for k, i in enumerate(run)}
                     ended = time.perf_counter()
                     overhead += ended - t_capture
@@ -1041,8 +1096,9 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                     if step >= plan["total"]:
                         break
                     indices = run[i:i + cfg.batch_size]
-                    features, labels = pad_positions(*features_of.batch([where[j] for j in indices]),
-                                                     cfg.pad_shapes[0])                 # (Bt, N, n·H), (Bt, N) on the host
+                    # (Bt, N, n·H), (Bt, N) on the host, (Bt, N, H) or None
+                    features, labels, teacher = pad_positions(*features_of.batch([where[j] for j in indices]),
+                                                              cfg.pad_shapes[0])
                     blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
                                          generator, labels=labels, pad_to=cfg.pad_shapes[1])
                     drawn = blocks.drawn()
@@ -1050,7 +1106,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                         continue
                     with autocast(device):
                         hidden = draft_hidden(target, drafter, blocks, features)
-                        loss = block_loss(target, hidden, blocks.labels, weights, chunk_grad)
+                        loss = block_loss(target, hidden, blocks.labels, weights, chunk_grad,
+                                          None if teacher is None else block_teacher(teacher, blocks))
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -1058,7 +1115,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                     schedule.step()
                     step += 1
                     before, queued = queued, ({"step": step, "lr": schedule.get_last_lr()[0]}, StepLoss(loss), drawn,
-                                              step_flops(drafter, target, blocks, features.shape[1]))
+                                              step_flops(drafter, target, blocks, features.shape[1], cfg.soft_labels))
                     if before:   # read back while this step runs
                         read_back(before)
                     if not late or step == 1 or step % cfg.eval_every == 0 or step == plan["total"]:
@@ -1489,7 +1546,7 @@ def cmd_train(args):
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
                       cache_tokens=args.cache_tokens, pad_shapes=tuple(args.pad_shapes), compile=args.compile,
-                      seed=args.seed)
+                      soft_labels=args.soft_labels, seed=args.seed)
     at_init = None   # the checkpoint's held-out τ before this phase: where its line starts
     if args.init and (heldout or more_heldout):
         at_init = heldout_entry(target, drafter, heldout, more_heldout, args.batch_size)
@@ -1602,6 +1659,9 @@ def parse_args(argv=None):
                         "unlabelled padding: the same loss), so that steps repeat fewer shapes (default: 1 1, none)")
     s.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward and the head's loss "
                    "chunk (dynamic shapes; the first steps wait for the compiler)")
+    s.add_argument("--soft-labels", action="store_true", help="logit distillation: each block row learns the "
+                   "target's whole distribution there (KL to the softmax of its LM head on its final state, cached "
+                   "beside the features: H more values a token) rather than its argmax (cross-entropy)")
     s.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
     s.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
     s.add_argument("--weight-decay", type=float, default=0.0)
