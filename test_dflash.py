@@ -3068,10 +3068,11 @@ def test_no_evaluation_prompt_is_in_the_training_prompts(monkeypatch):
     ("h200-2026-12-02-phase9/logs/self-prompts.json.xz", 50_000, 65_536, 9),
     ("h200-2026-12-02-phase10/logs/self10-prompts.json.xz", 50_000, 65_536, 5),
     ("h200-2026-12-03-phase11/logs/self11-prompts.json.xz", 50_000, 65_536, 4),
-    ("h200-2026-12-04-phase13/logs/self13-prompts.json.xz", 16_000, 24_576, 2)])
+    ("h200-2026-12-04-phase13/logs/self13-prompts.json.xz", 16_000, 24_576, 2),
+    ("h200-2026-12-04-phase14/logs/self14-prompts.json.xz", 16_000, 24_576, 3)])
 def test_self_written_prompts_leave_out_the_evaluation_sets(file, kept, sampled, near):
-    """The turns SmolLM2 wrote itself for phases 9, 10, 11 and 13 (the committed prompt files, seeds 41,
-    51, 71 and 91) hold no MT-Bench or HumanEval prompt, share no 8 words in a row with one, and define
+    """The turns SmolLM2 wrote itself for phases 9, 10, 11, 13 and 14 (the committed prompt files, seeds
+    41, 51, 71, 91 and 101) hold no MT-Bench or HumanEval prompt, share no 8 words in a row with one, and define
     no HumanEval function; each file's meta counts the turns sampled and those left out as near one."""
     prompts, indices, meta = train.read_prompt_file(HERE / "results" / file)
     assert len(prompts) == len(set(map(train.normalized, prompts))) == kept
