@@ -1820,7 +1820,8 @@ def test_batched_capture_equals_one_sequence_at_a_time(tiny):
     ids, lengths = train.pad_sequences(sequences[:5])
     layer_ids = [1, 2, 4]
     # (Bt, N, n·H), (Bt, N), (Bt, N, H)
-    features, labels, teacher = train.capture_features(target, ids, lengths, layer_ids, torch.float32, with_teacher=True)
+    features, labels, teacher = train.capture_features(target, ids, lengths, layer_ids, torch.float32,
+                                                       with_teacher=True)
     assert features.shape == (5, int(lengths.max()), 3 * H) and teacher.shape == (5, int(lengths.max()), H)
     head = target.get_output_embeddings()
     for b, seq in enumerate(sequences[:5]):
@@ -2187,8 +2188,8 @@ def head_chunk_cases(device, dtype, rows, vocab, soft=False):
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(rows, vocab, generator=g)).to(device, dtype)
     labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
-    teacher_logits = (3 * torch.randn(rows, vocab, generator=g)).to(device, dtype)
     w = torch.rand(rows, generator=g).to(device)
+    teacher_logits = (3 * torch.randn(rows, vocab, generator=g)).to(device, dtype)   # last: CE cases as before
     exact = logits.double().requires_grad_(True)
     if soft:
         per_row = F.kl_div(exact.log_softmax(-1), teacher_logits.double().log_softmax(-1), log_target=True,

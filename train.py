@@ -847,7 +847,7 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
     for i in range(0, len(sequences), batch_size):
         batch = sequences[i:i + batch_size]
         features, _, _ = capture_features(target, *pad_sequences(batch), drafter.config.target_layer_ids, dtype,
-                                       with_labels=False)   # the walk compares drafts with the text itself
+                                          with_labels=False)   # the walk compares drafts with the text itself
         anchors = [choose_anchors(s, len(s.ids), B, None, full_only=True) for s in batch]   # every full-block anchor
         accepted_at = [{} for _ in batch]                                             # anchor -> drafts accepted
         for j in range(0, max(map(len, anchors), default=0), anchors_per_pass):
@@ -1013,10 +1013,11 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     """Train fc, hidden_norm, the layers and norm of `drafter` on self-distilled sequences; the
     target, its embeddings and LM head stay frozen. The target's features and labels (and with
     cfg.soft_labels its teacher states) come from `store`: by default captured once (CachedFeatures,
-    cfg.cache_tokens at a time), or LiveFeatures, a target pass per step. Returns the history: loss, blocks/s and TFLOP/s per step, held-out τ
-    every cfg.eval_every steps (`heldout_tau`; the sets of `more_heldout`, e.g. another data file's,
-    under `heldout_more` by name). After each estimate but the last, on_estimate(history so far) runs
-    with the drafter as it stands (cmd_train saves it: a run cut short keeps its last estimated point)."""
+    cfg.cache_tokens at a time), or LiveFeatures, a target pass per step. Returns the history: loss,
+    blocks/s and TFLOP/s per step, held-out τ every cfg.eval_every steps (`heldout_tau`; the sets of
+    `more_heldout`, e.g. another data file's, under `heldout_more` by name). After each estimate but the
+    last, on_estimate(history so far) runs with the drafter as it stands (cmd_train saves it: a run cut
+    short keeps its last estimated point)."""
     from tqdm import tqdm
     if not sequences:
         raise DFlashError("training data: no sequences")
