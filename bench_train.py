@@ -12,8 +12,7 @@ one run, after warm-up:
             3 and 5 drafter layers: features cached (gathered from a flat device cache) or live (a
             target pass per step); the head's cross-entropy chunked through the frozen head
             (train.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
-            cross-entropy where it is installed; attention groups of 1 block (a context copy per
-            block), the default 8 and 16 blocks (train.packed_forward); eager or compiled as
+            cross-entropy where it is installed; eager or compiled as
             train.py --compile compiles (the drafter's forward and the head's loss chunk), unrounded
             or with shapes rounded up (--pad-shapes 64 512).
             Each step draws a random batch, and each run its own batches, so shapes rarely repeat,
@@ -127,14 +126,14 @@ def full_logits_loss(target, hidden, labels, weights):
 
 
 def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps: int, runs: list[tuple]) -> list[dict]:
-    """One row per run (features, loss, pad_shapes, group, compiled), each on a fresh drafter."""
+    """One row per run (features, loss, pad_shapes, compiled), each on a fresh drafter."""
     raw = train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5)
     layer_ids = raw["dflash_config"]["target_layer_ids"]
     weights = train.position_weights(16, 7.0, "cuda")
     cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
     live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
     rows = []
-    for run, (store_name, loss_name, pad, group, compiled) in enumerate(runs):
+    for run, (store_name, loss_name, pad, compiled) in enumerate(runs):
         drafter = train.new_drafter(target, raw)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
         t_compile = time.perf_counter()
@@ -158,7 +157,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             blocks = train.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
                                        g, labels=labels, pad_to=pad[1])
             with train.autocast(features.device):
-                loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features, group), blocks.labels,
+                loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
                                weights)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -170,7 +169,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
                 flops.append(train.step_flops(drafter, target, blocks, features.shape[1]))
         seconds = statistics.median(times)
         rows.append({"layers": layers, "features": store_name, "loss": loss_name, "pad_shapes": list(pad), "batch": batch,
-                     "group": group, "compiled": compiled, "warmup_s": warmup_s,
+                     "compiled": compiled, "warmup_s": warmup_s,
                      "blocks_per_step": statistics.median(blocks_seen), "step_ms": seconds * 1e3,
                      "blocks_per_s": statistics.median(blocks_seen) / seconds,
                      "tflops": statistics.median(flops) / seconds / 1e12,
@@ -222,22 +221,20 @@ def main():
             losses["liger-fused"] = liger_loss
         except ImportError:
             print("liger-kernel is not installed: its row is skipped")
-        G = train.default_group(16)
-        runs3 = ([("cached", "chunked", (1, 1), G, False), ("cached", "chunked", (1, 1), G, True),
-                  ("cached", "chunked", (1, 1), 1, False), ("cached", "chunked", (1, 1), 2 * G, False),
-                  ("cached", "chunked", PADDED, G, True)]
-                 + [("cached", name, (1, 1), G, False) for name in losses if name != "chunked"]
-                 + [("live", "chunked", (1, 1), G, False)])
-        runs5 = [("cached", "chunked", (1, 1), G, False)]
+        runs3 = ([("cached", "chunked", (1, 1), False), ("cached", "chunked", (1, 1), True),
+                  ("cached", "chunked", PADDED, True)]
+                 + [("cached", name, (1, 1), False) for name in losses if name != "chunked"]
+                 + [("live", "chunked", (1, 1), False)])
+        runs5 = [("cached", "chunked", (1, 1), False)]
         result["train"] = (bench_train(target, 3, sequences, args.train_batch, losses, args.steps, runs3)
                            + bench_train(target, 5, sequences, args.train_batch, losses, args.steps, runs5))
         print(f"\ntrain step, {args.train_batch} sequences of 300-612 tokens (prompt 100), every anchor, block 16, "
               f"bf16 autocast, fp32 master weights; matmul peak {flops / 1e12:.0f} TFLOP/s")
-        print(f"{'layers':>6} {'features':>8} {'loss':>12} {'pad':>7} {'group':>5} {'compiled':>8} {'blocks':>7} "
+        print(f"{'layers':>6} {'features':>8} {'loss':>12} {'pad':>7} {'compiled':>8} {'blocks':>7} "
               f"{'ms':>8} {'blocks/s':>9} {'TFLOP/s':>8} {'peak GiB':>8} {'warm-up s':>9}")
         for r in result["train"]:
             pad = "x".join(map(str, r["pad_shapes"]))
-            print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {pad:>7} {r['group']:5} {str(r['compiled']):>8} "
+            print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {pad:>7} {str(r['compiled']):>8} "
                   f"{r['blocks_per_step']:7.0f} {r['step_ms']:8.1f} {r['blocks_per_s']:9.0f} {r['tflops']:8.1f} "
                   f"{r['peak_gib']:8.1f} {r['warmup_s']:9.1f}")
     if args.out:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import offline
@@ -105,6 +106,25 @@ def gate(logits, o):
     return o * F.softplus(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(o.dtype)[..., None]
 
 
+# flex attention fused by Triton; called from a compiled drafter it is traced into that graph instead
+compiled_flex_attention = torch.compile(flex_attention)
+
+
+def attend(q, keys, values, mask):
+    """Scaled dot-product attention of queries q (..., h, W, d) over keys, values (..., hk, S, d), each K/V
+    head serving h/hk query heads -> (..., h, W, d). mask: (..., W, S) bool, the keys each row sees, or None
+    for all; or a flex attention BlockMask of the same rule (training's packed forward on CUDA), under
+    which masked tiles are skipped and the K/V heads are shared in the kernel."""
+    if isinstance(mask, BlockMask):
+        return compiled_flex_attention(q, keys, values, block_mask=mask, enable_gqa=True)
+    # Each K/V head repeated for its query heads. SDPA's own enable_gqa runs only its math kernel under a
+    # mask, which on CUDA upcasts to fp32 and writes out the scores; repeated, a masked call can take
+    # memory-efficient attention
+    g = q.shape[-3] // keys.shape[-3]
+    keys, values = keys.repeat_interleave(g, -3), values.repeat_interleave(g, -3)      # (..., h, S, d)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
 class DraftAttention(nn.Module):
     """KV injection: block rows attend to the context's keys and values and their own, all from one qkv_proj."""
 
@@ -129,14 +149,7 @@ class DraftAttention(nn.Module):
         q, k = rope(self.q_norm(q), table), rope(self.k_norm(k), table)
         keys = torch.cat([context[0], k.transpose(-3, -2)], -2)                        # (..., hk, S+W, d)
         values = torch.cat([context[1], v.transpose(-3, -2)], -2)                      # (..., hk, S+W, d)
-        # GQA: each K/V head repeated for its g query heads. SDPA's own enable_gqa runs only its math
-        # kernel under a mask, which on CUDA upcasts to fp32 and writes out the scores; repeated, a masked
-        # call can take memory-efficient attention (training's packed forward)
-        g = q.shape[-2] // keys.shape[-3]
-        keys, values = keys.repeat_interleave(g, -3), values.repeat_interleave(g, -3)  # (..., h, S+W, d)
-        # mask (..., W, S+W): the keys each row sees, or None for all
-        o = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=mask)
-        o = o.transpose(-3, -2)                                                         # (..., W, h, d)
+        o = attend(q.transpose(-3, -2), keys, values, mask).transpose(-3, -2)          # (..., W, h, d)
         return self.o_proj((o if self.g_proj is None else gate(self.g_proj(u), o)).flatten(-2))
 
 
@@ -269,7 +282,11 @@ def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
     all. A window keeps at most `window` keys ending at the query (on both sides if not causal)."""
     if not causal and window is None:
         return None
-    delta = q_pos[..., :, None] - k_pos[..., None, :]                                   # (..., Nq, Nk)
+    return visible_at(q_pos[..., :, None] - k_pos[..., None, :], causal, window)     # (..., Nq, Nk)
+
+
+def visible_at(delta, causal: bool, window: int | None):
+    """A layer's rule on query position minus key position (any shape) -> whether the key is seen."""
     visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
     return visible if window is None else visible & (delta < window) & (delta > -window)
 

@@ -104,9 +104,9 @@ def drafter_shapes(fmt: str, num_layers: int, n: int, hidden=H, heads=4, kv_head
     return shapes
 
 
-def drafter_config(fmt: str, block_size: int, layer_ids, num_layers=2, window=4, hidden=H) -> dict:
+def drafter_config(fmt: str, block_size: int, layer_ids, num_layers=2, window=4, hidden=H, head_dim=8) -> dict:
     arch = dict(hidden_size=hidden, intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=VOCAB)
+                num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, vocab_size=VOCAB)
     ids = list(layer_ids)
     if fmt == "zlab":       # Qwen3-8B-DFlash-b16 layout
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "block_size": block_size,
@@ -129,13 +129,13 @@ def drafter_config(fmt: str, block_size: int, layer_ids, num_layers=2, window=4,
 
 
 def write_drafter(directory: Path, fmt: str, block_size=4, layer_ids=(1, 3), num_layers=2, window=4,
-                  hidden=H, seed=0, sharded=False) -> Path:
+                  hidden=H, seed=0, sharded=False, head_dim=8) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(
-        drafter_config(fmt, block_size, layer_ids, num_layers, window, hidden), indent=2))
+        drafter_config(fmt, block_size, layer_ids, num_layers, window, hidden, head_dim), indent=2))
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in drafter_shapes(fmt, num_layers, len(layer_ids), hidden=hidden).items():
+    for name, shape in drafter_shapes(fmt, num_layers, len(layer_ids), hidden=hidden, head_dim=head_dim).items():
         if len(shape) == 1:   # norms near 1, so that each one matters
             tensors[name] = 1.0 + 0.2 * torch.randn(shape, generator=g)
         else:
@@ -1773,43 +1773,101 @@ def test_loss_weights_follow_gamma_rule():
     torch.testing.assert_close(w[2:], torch.exp(-torch.arange(1, 15) / 7.0))
 
 
-@pytest.mark.parametrize("fmt,group", [("zlab", None), ("zlab", 1), ("zlab-new", 2), ("laguna", 3), ("laguna", None)])
-def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt, group):
+@pytest.mark.parametrize("fmt", ["zlab", "zlab-new", "laguna"])
+def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
     """Each block of the packed training forward equals dflash.draft_block with the context of
     positions < a (later context rows exist but must stay unseen), for overlapping blocks, an anchor
-    at 0, two sequences whose blocks come in three runs (as make_blocks' padding blocks do), and
-    bidirectional, causal and sliding-window layers, with attention groups of one block, of 2 or 3
-    (a sequence's last group partly empty) and of the default (a whole run); changing one block's
-    inputs leaves every other block, of its group or not, unchanged."""
+    at 0, two sequences with different numbers of blocks whose blocks come in three runs (as
+    make_blocks' padding blocks do), and bidirectional, causal and sliding-window layers; changing
+    one block's inputs leaves every other block, of its sequence or not, unchanged."""
     target64 = dflash.load_target(str(tiny[0]), torch.float64, "cpu")
     drafter = dflash.load_drafter(str(write_drafter(tmp_path / fmt, fmt, block_size=4)), target64,
                                   torch.float64, "cpu")
     B, N = 4, 14
     c = torch.randn(2, N, H, dtype=torch.float64)                                  # (Bt, N, H)
-    sequence = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 0])                        # (M,)
-    anchors = torch.tensor([0, 3, 5, 11, 2, 4, 7, 8, 10, 0])                       # (M,)
+    sequence = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 0])                        # (M,)
+    anchors = torch.tensor([0, 3, 11, 2, 4, 7, 8, 10, 12, 5])                      # (M,)
     x = torch.randn(len(anchors), B, H, dtype=torch.float64)                       # (M, B, H)
-    packed = train.packed_forward(drafter, c, x, sequence, anchors, group)         # (M, B, H)
+    packed = train.packed_forward(drafter, c, x, sequence, anchors)                # (M, B, H)
     for j, (b, a) in enumerate(zip(sequence.tolist(), anchors.tolist())):
         want = dflash.draft_block(drafter, context_of(drafter, c[b, :a]), x[j])
         torch.testing.assert_close(packed[j], want, rtol=1e-10, atol=1e-10)
     moved = x.clone()
     moved[1] += 1.0                                                                # block 1 of sequence 0
-    changed = (train.packed_forward(drafter, c, moved, sequence, anchors, group) - packed).abs().amax(-1) > 1e-12   # (M, B)
+    changed = (train.packed_forward(drafter, c, moved, sequence, anchors) - packed).abs().amax(-1) > 1e-12   # (M, B)
     assert changed[1].all() and not changed[0].any() and not changed[2:].any()
 
 
-def test_attention_groups_keep_each_group_to_one_sequence():
-    """Runs of one sequence split into groups of at most `group` blocks, in order, empty slots
-    pointing past the last block; every block sits in exactly one slot."""
-    owners, slots = train.attention_groups(torch.tensor([0, 0, 0, 1, 1, 0]), 2)
-    assert owners.tolist() == [0, 0, 1, 0]
-    assert slots.tolist() == [[0, 1], [2, 6], [3, 4], [5, 6]]
-    owners, slots = train.attention_groups(torch.tensor([3, 3, 3]), 1)
-    assert owners.tolist() == [3, 3, 3] and slots.tolist() == [[0], [1], [2]]
-    owners, slots = train.attention_groups(torch.tensor([], dtype=torch.long), 4)
-    assert owners.shape == (0,) and slots.shape == (0, 4)
-    assert train.default_group(16) == 8 and train.default_group(4) == 32 and train.default_group(256) == 1
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["zlab-new", "laguna"])
+def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
+    """On CUDA the packed forward attends through flex attention over a BlockMask (tiles of 128, the
+    masked ones skipped; its kernels want a head dim of 16 or more), the drafter compiled as train
+    --compile compiles it. Its rows, and the gradients of the layers' weights, the context and the
+    block embeddings, equal the dense path's on CPU in float64 within fp32 rounding (1e-4): two
+    sequences of 300 positions, 24 and 9 blocks of 16 (384 query rows a sequence, three tiles),
+    bidirectional, causal and sliding (a window of 40) layers."""
+    g = torch.Generator().manual_seed(0)
+    B, N, path = 16, 300, write_drafter(tmp_path / fmt, fmt, block_size=16, window=40, head_dim=16)
+    sequence = torch.tensor([0] * 20 + [1] * 9 + [0] * 4)                          # (M,) in three runs
+    anchors = torch.cat([torch.randperm(N - B, generator=g)[:24], torch.randperm(N - B, generator=g)[:9]])
+    anchors = anchors[torch.tensor(list(range(20)) + list(range(24, 33)) + list(range(20, 24)))]   # (M,)
+    c = torch.randn(2, N, H, dtype=torch.float64, generator=g)                     # (Bt, N, H)
+    x = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)          # (M, B, H)
+    grad_out = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)   # (M, B, H)
+    runs = {}
+    for device, dtype in (("cpu", torch.float64), ("cuda", torch.float32)):
+        target = dflash.load_target(str(tiny[0]), dtype, device)
+        drafter = dflash.load_drafter(str(path), target, dtype, device).requires_grad_(True)
+        if device == "cuda":
+            torch._dynamo.reset()
+            drafter.compile(dynamic=True)
+        c_in, x_in = (t.detach().to(device, dtype).requires_grad_() for t in (c, x))
+        out = train.packed_forward(drafter, c_in, x_in, sequence, anchors)            # (M, B, H)
+        out.backward(grad_out.to(device, dtype))
+        runs[device] = [out.detach(), c_in.grad, x_in.grad] + [p.grad for p in drafter.layers.parameters()]
+    assert len(runs["cuda"]) == len(runs["cpu"]) > 3 and all(t is not None for t in runs["cuda"])
+    for got, want in zip(runs["cuda"], runs["cpu"]):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_block_slots_keep_each_sequence_in_order():
+    """Each sequence's blocks take its slots b·P, b·P+1, ... in the order they come, whatever runs
+    they come in; P is the most blocks a sequence has."""
+    slots, P = train.block_slots(torch.tensor([0, 0, 0, 2, 2, 0]), 3)
+    assert P == 4 and slots.tolist() == [0, 1, 2, 8, 9, 3]
+    slots, P = train.block_slots(torch.tensor([1, 1, 1]), 2)
+    assert P == 3 and slots.tolist() == [3, 4, 5]
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 5)])
+def test_block_mask_attention_equals_the_dense_mask(causal, window):
+    """The packed rule as a flex attention BlockMask (tiles of 8 here, 128 on CUDA) gives the same
+    attention as the dense mask SDPA gets from it, GQA included (float64, CPU, flex attention
+    unfused); whole tiles are skipped, and each row sees exactly: the context before its anchor,
+    its own block's rows, under the layer's causal/window rule."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    g = torch.Generator().manual_seed(0)
+    Bt, P, B, N, h, hk, d = 2, 12, 4, 60, 4, 2, 8
+    anchors = torch.randint(0, N - B, (Bt, P), generator=g)                         # (Bt, P)
+    rule = train.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
+    dense = train.packed_mask(rule, Bt, P * B, N, "cpu", False)                     # (Bt, 1, P·B, N+P·B)
+    q = torch.randn(Bt, h, P * B, d, dtype=torch.float64, generator=g)
+    keys, values = (torch.randn(Bt, hk, N + P * B, d, dtype=torch.float64, generator=g) for _ in range(2))
+    block_mask = create_block_mask(rule, Bt, None, P * B, N + P * B, device="cpu", BLOCK_SIZE=8)
+    assert block_mask.sparsity() > 40   # percent of tiles skipped
+    got = flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(got, dflash.attend(q, keys, values, dense), rtol=1e-10, atol=1e-10)
+    q_pos = anchors.repeat_interleave(B, 1) + torch.arange(P * B) % B               # (Bt, P·B)
+    for b in range(Bt):
+        for r in range(P * B):
+            a = anchors[b, r // B]
+            sees = [k < a for k in range(N)] + [k // B == r // B for k in range(P * B)]
+            k_pos = list(range(N)) + (a + torch.arange(P * B) % B).tolist()
+            want = [s and (not causal or q_pos[b, r] >= kp) and (window is None or abs(q_pos[b, r] - kp) < window)
+                    for s, kp in zip(sees, k_pos)]
+            assert dense[b, 0, r].tolist() == want
 
 
 def test_batched_capture_equals_one_sequence_at_a_time(tiny):
@@ -3070,10 +3128,11 @@ def test_no_evaluation_prompt_is_in_the_training_prompts(monkeypatch):
     ("h200-2026-12-02-phase10/logs/self10-prompts.json.xz", 50_000, 65_536, 5),
     ("h200-2026-12-03-phase11/logs/self11-prompts.json.xz", 50_000, 65_536, 4),
     ("h200-2026-12-04-phase13/logs/self13-prompts.json.xz", 16_000, 24_576, 2),
-    ("h200-2026-12-04-phase14/logs/self14-prompts.json.xz", 16_000, 24_576, 3)])
+    ("h200-2026-12-04-phase14/logs/self14-prompts.json.xz", 16_000, 24_576, 3),
+    ("h200-2026-12-04-phase15/logs/self15-prompts.json.xz", 16_000, 24_576, 0)])
 def test_self_written_prompts_leave_out_the_evaluation_sets(file, kept, sampled, near):
-    """The turns SmolLM2 wrote itself for phases 9, 10, 11, 13 and 14 (the committed prompt files, seeds
-    41, 51, 71, 91 and 101) hold no MT-Bench or HumanEval prompt, share no 8 words in a row with one, and define
+    """The turns SmolLM2 wrote itself for phases 9, 10, 11, 13, 14 and 15 (the committed prompt files, seeds
+    41, 51, 71, 91, 101 and 111) hold no MT-Bench or HumanEval prompt, share no 8 words in a row with one, and define
     no HumanEval function; each file's meta counts the turns sampled and those left out as near one."""
     prompts, indices, meta = train.read_prompt_file(HERE / "results" / file)
     assert len(prompts) == len(set(map(train.normalized, prompts))) == kept

@@ -21,7 +21,6 @@ d head_dim, C a BatchDecoder's K/V capacity in slots.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 import dflash
 import fastpath
@@ -505,8 +505,9 @@ def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_tok
                 full_only=False, anchor_lists: list[list[int]] | None = None, labels=None, pad_to: int = 1) -> Blocks:
     """Up to `count` blocks per sequence, at anchor_lists[b] if given, else by choose_anchors, one after
     another. A row's label is labels[b, a+k] (N-padded, e.g. the target's own argmax), by default the
-    text's own token there. With pad_to > 1, unlabelled blocks at anchor 0 of the first sequence round
-    the count M up to a multiple of pad_to: they add nothing to the loss, and steps repeat fewer shapes."""
+    text's own token there. With pad_to > 1, unlabelled blocks at anchor 0, one for each sequence in
+    turn, round the count M up to a multiple of pad_to: they add nothing to the loss, and steps repeat
+    fewer shapes."""
     B = block_size
     ids, lengths = pad_sequences(sequences)                                           # (Bt, N), (Bt,)
     chosen = [anchor_lists[b] if anchor_lists is not None else choose_anchors(seq, count, B, generator, full_only)
@@ -523,9 +524,10 @@ def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_tok
     row_labels = row_labels.masked_fill(~(in_text & (k >= 1)), IGNORE)
     extra = -len(anchors) % pad_to
     if extra:
-        sequence, anchors = (torch.cat([t, torch.zeros(extra, dtype=torch.long)]) for t in (sequence, anchors))
+        owners = torch.arange(extra) % len(sequences)                                   # (extra,)
+        sequence, anchors = torch.cat([sequence, owners]), torch.cat([anchors, torch.zeros(extra, dtype=torch.long)])
         padding = torch.full((extra, B), mask_token_id, dtype=torch.long)                # (extra, B)
-        padding[:, 0] = ids[0, 0]
+        padding[:, 0] = ids[owners, 0]
         block_ids = torch.cat([block_ids, padding])
         row_labels = torch.cat([row_labels, torch.full((extra, B), IGNORE, dtype=torch.long)])
     return Blocks(ids, lengths, sequence, anchors, block_ids, row_labels)
@@ -543,74 +545,76 @@ def pad_positions(features, labels, teacher, multiple: int):
     return pad(features), torch.nn.functional.pad(labels, (0, extra), value=IGNORE), pad(teacher)
 
 
-GROUP_ROWS = 128   # block rows per attention group: the query tile of the fused attention kernels
+def block_slots(sequence, count: int) -> tuple[torch.Tensor, int]:
+    """Blocks (M,) by sequence (on the host), `count` sequences -> each block's slot (M,) among the packed
+    forward's count·P, sequence b's blocks in order from b·P on, and P, the most blocks a sequence has."""
+    seen, index = [0] * count, []
+    for b in sequence.tolist():
+        index.append(seen[b])
+        seen[b] += 1
+    return sequence * max(seen, default=0) + torch.tensor(index, dtype=torch.long), max(seen, default=0)
 
 
-def default_group(block_size: int) -> int:
-    """Blocks per attention group in the packed forward: GROUP_ROWS block rows (at least one block)."""
-    return max(1, GROUP_ROWS // block_size)
+def packed_rule(block_anchors, block_size: int, N, causal: bool, window):
+    """Which keys a row sees in the packed forward, as a flex attention mask_mod (b, head, q, kv) -> bool:
+    query row q of sequence b belongs to its block q // B at anchor block_anchors[b, q // B] (Bt, P); keys
+    are [context positions 0..N-1 | the sequence's P·B block rows]. A row sees the context strictly
+    before its anchor and its own block's rows (the other blocks are other drafts); within that,
+    dflash.visible_at applies the layer's causal/window rule to absolute positions, as at inference.
+    N and the window (or None) are 0-dim tensors: the compiled drafter reads them as data, so a new length
+    compiles nothing new, and inductor does not lower flex attention for a rule that closes over a
+    symbolic int derived in it, such as -window (pytorch/pytorch#182606)."""
+    B = block_size
+
+    def rule(b, head, q, kv):
+        block, anchor = q // B, block_anchors[b, q // B]
+        row = (kv - N).clamp(min=0)                                                   # kv's block row, if one
+        in_context = kv < N
+        visible = torch.where(in_context, kv < anchor, row // B == block)
+        if not causal and window is None:
+            return visible
+        key_position = torch.where(in_context, kv, anchor + row % B)                # own block's rows: same anchor
+        return visible & dflash.visible_at(anchor + q % B - key_position, causal, window)
+    return rule
 
 
-def attention_groups(sequence, group: int):
-    """Blocks (M,) by sequence (on the host) -> the packed forward's groups of up to `group` blocks of
-    one sequence: each group's sequence (G,) and the block in each of its slots (G, group), M for an
-    empty slot. Blocks keep their order; a sequence's last group may be partly empty."""
-    slots, owners, of_block = [], [], sequence.tolist()
-    for b, run in itertools.groupby(range(len(of_block)), key=of_block.__getitem__):
-        run = list(run)
-        for i in range(0, len(run), group):
-            part = run[i:i + group]
-            slots.append(part + [len(sequence)] * (group - len(part)))
-            owners.append(b)
-    return torch.tensor(owners, dtype=torch.long), torch.tensor(slots, dtype=torch.long).reshape(-1, group)
+def packed_mask(rule, Bt: int, rows: int, N: int, device, sparse: bool):
+    """A packed rule over (Bt, rows) queries and (Bt, N + rows) keys -> if sparse, a flex attention
+    BlockMask (its fully masked 128 × 128 tiles are skipped); else the dense (Bt, 1, rows, N + rows) bool
+    mask for SDPA, from the same rule."""
+    if sparse:
+        return create_block_mask(rule, Bt, None, rows, N + rows, device=device)
+    return create_mask(rule, Bt, None, rows, N + rows, device=device)
 
 
-def packed_mask(anchors, slot_of_row, block_size: int, N: int, causal: bool, window: int | None):
-    """Which keys each row of a group sees in the packed forward: anchors (G, g·B) of each row's
-    block, slot_of_row (G, g·B) -> (G, 1, g·B, N+g·B) bool. Keys are [context positions 0..N-1 | the
-    group's block rows]. A row of anchor a sees context strictly before a and its own block's rows
-    (the other blocks of its group are other drafts); within that, dflash.attention_mask applies the
-    layer's causal/window rule to absolute positions, exactly as at inference."""
-    G, W, device = *anchors.shape, anchors.device
-    ctx_positions = torch.arange(N, device=device)                                    # (N,)
-    q_pos = anchors + torch.arange(W, device=device) % block_size                     # (G, W)
-    before = ctx_positions < anchors[..., None]                                       # (G, W, N)
-    own = slot_of_row[..., :, None] == slot_of_row[..., None, :]                      # (G, W, W)
-    visible = torch.cat([before, own], -1)                                            # (G, W, N+W)
-    rule = dflash.attention_mask(q_pos, torch.cat([ctx_positions.expand(G, N), q_pos], -1), causal, window)
-    return (visible if rule is None else visible & rule)[:, None]                    # (G, 1, W, N+W)
-
-
-def packed_forward(drafter: Drafter, c, x, sequence, anchors, group: int | None = None):
+def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     """dflash.draft_block for every block at once, through the same Drafter.forward: contexts c
     (Bt, N, H) at positions 0..N-1 and block embeddings x (M, B, H), block j of sequence sequence[j]
-    (on the host) at anchors[j] + 0..B-1. Blocks attend in groups of `group` blocks of one sequence
-    (default_group): each group's rows are one query run against one copy of its sequence's context
-    K/V (from each layer's context_kv, as at inference) and the group's own rows, so the context is
-    copied once per group, not once per block; the mask keeps each row to the context before its
-    anchor and its own block. Returns the final-normed hidden states (M, B, H)."""
-    (M, B, H), N, device = x.shape, c.shape[1], c.device
-    group = group or default_group(B)
-    owners, slots = (to_device(t, device) for t in attention_groups(sequence, group))  # (G,), (G, g)
-    anchors = to_device(torch.cat([anchors, anchors.new_zeros(1)]), device)           # (M+1,) an empty slot at 0
-    rows_x = torch.cat([x, x.new_zeros(1, B, H)])[slots].flatten(1, 2)                # (G, g·B, H)
-    row_anchors = anchors[slots].repeat_interleave(B, -1)                             # (G, g·B)
-    slot_of_row = torch.arange(group * B, device=device).expand_as(row_anchors) // B  # (G, g·B)
-    positions = row_anchors + torch.arange(group * B, device=device) % B              # (G, g·B)
+    (on the host) at anchors[j] + 0..B-1. Each sequence's blocks are one run of query rows (P·B, padded
+    with blocks at anchor 0 that see only themselves) against its context's K/V (each layer's context_kv,
+    as at inference) and those rows, so nothing is copied per block; packed_rule keeps each row to the
+    context before its anchor and its own block. Returns the final-normed hidden states (M, B, H)."""
+    (M, B, H), (Bt, N), device = x.shape, c.shape[:2], c.device
+    slots, P = block_slots(sequence, Bt)                                              # (M,) on the host
+    block_anchors = torch.zeros(Bt * P, dtype=torch.long).index_copy(0, slots, anchors).view(Bt, P)
+    block_anchors, slots = to_device(block_anchors, device), to_device(slots, device)
+    rows_x = x.new_zeros(Bt * P, B, H).index_copy(0, slots, x).view(Bt, P * B, H)     # (Bt, P·B, H)
+    positions = (block_anchors[..., None] + torch.arange(B, device=device)).flatten(1)   # (Bt, P·B)
+    # flex attention's fused kernels run on CUDA, for head dims of 16 and more; elsewhere SDPA, dense mask
+    sparse = device.type == "cuda" and drafter.config.head_dim >= 16
     masks = {}   # one per distinct (causal, window) rule
     for layer in drafter.layers:
         if (layer.causal, layer.window) not in masks:
-            masks[layer.causal, layer.window] = packed_mask(row_anchors, slot_of_row, B, N, layer.causal, layer.window)
+            window = None if layer.window is None else to_device(torch.tensor(layer.window), device)
+            rule = packed_rule(block_anchors, B, to_device(torch.tensor(N), device), layer.causal, window)
+            masks[layer.causal, layer.window] = packed_mask(rule, Bt, P * B, N, device, sparse)
     tables = drafter.rope_tables(torch.arange(N, device=device), c.dtype)
-    context = [tuple(t[owners] for t in layer.context_kv(c, tables))
-               for layer in drafter.layers]                                           # L × (G, hk, N, d) each
+    context = [layer.context_kv(c, tables) for layer in drafter.layers]               # L × (Bt, hk, N, d) each
     # cuDNN left out, as for the target: it plans every new shape, and each training step brings new ones
     # (H200, 32 sequences a step: 184 against 266 ms, p90 202 against 1,624)
     with sdpa_kernel(dflash.TARGET_ATTENTION):
         hidden = drafter(rows_x, positions, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
-    where = torch.empty(M + 1, dtype=torch.long, device=device)                       # each block's slot
-    where[slots.flatten()] = torch.arange(slots.numel(), device=device)
-    return hidden.unflatten(1, (group, B)).flatten(0, 1)[where[:M]]                   # (M, B, H)
+    return hidden.view(Bt * P, B, H)[slots]                                           # (M, B, H)
 
 
 @torch.no_grad()
@@ -717,13 +721,12 @@ def block_teacher(teacher, blocks: Blocks):
     return teacher[to_device(blocks.sequence[:, None], device), to_device(positions, device)]   # (M, B, H)
 
 
-def draft_hidden(target, drafter: Drafter, blocks: Blocks, features, group: int | None = None):
-    """Drafter hidden states for every block row (M, B, H), through the packed forward (its attention
-    groups of `group` blocks)."""
+def draft_hidden(target, drafter: Drafter, blocks: Blocks, features):
+    """Drafter hidden states for every block row (M, B, H), through the packed forward."""
     device = features.device
     c = drafter.project_context(features)                                             # (Bt, N, H)
     x = target.get_input_embeddings()(to_device(blocks.block_ids, device)).to(c.dtype)   # (M, B, H)
-    return packed_forward(drafter, c, x, blocks.sequence, blocks.anchors, group)
+    return packed_forward(drafter, c, x, blocks.sequence, blocks.anchors)
 
 
 def lm_logits(target, hidden):
@@ -822,7 +825,7 @@ def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teac
 def step_flops(drafter: Drafter, target, blocks: Blocks, N: int, soft: bool = False) -> float:
     """Matmul FLOPs of one training step as run (padded context included), forward and backward:
     context projection and K/V over Bt·N positions, the layers over M·B rows attending to N+B keys
-    (the other blocks of a row's attention group, masked, are not counted),
+    (its sequence's other block rows, masked, are not counted),
     and the frozen head over the labelled rows (its forward and the gradient to the rows; with `soft`,
     the teacher's logits too)."""
     cfg, tcfg = drafter.config, target.config.get_text_config()
