@@ -8,10 +8,12 @@ the optimizer) with their time per step; the top kernels are listed. The batch s
 
     $ python step_profile.py OUT_JSON [--soft] [--code DIR] [--device cpu --sequences 4 --no-compile]   # the last: a smoke run
 
---soft profiles logit distillation's step (train --soft-labels). --code DIR imports train.py and dflash.py
-from DIR before the checkout's (phase 15: the packed forward before flex attention, in old/). Phase 15's copy
-of phase 14's script: that, and attention kernels grouped before GEMMs (cutlass named the memory-efficient
-attention's kernels into the GEMMs).
+It also times each part of a step on the host (enqueue times, the GPU running behind; the packed
+forward's block_slots and packed_mask within draft_hidden). --soft profiles logit distillation's step
+(train --soft-labels). --code DIR imports train.py and dflash.py from DIR before the checkout's (phase
+15: the packed forward before flex attention, in old/). Phase 15's copy of phase 14's script: those two,
+and attention kernels grouped before GEMMs (cutlass named the memory-efficient attention's kernels into
+the GEMMs).
 """
 import argparse, json, os, re, statistics, sys, time
 p = argparse.ArgumentParser()
@@ -48,19 +50,46 @@ optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
 mask_id = drafter.config.mask_token_id
 
 
+host = {}   # host seconds of the current step by part: the GPU runs behind, so these are enqueue times
+
+
+def timed_part(name, fn):
+    """fn, with its host seconds added to host[name]."""
+    def run(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        host[name] = host.get(name, 0.0) + time.perf_counter() - t0
+        return out
+    return run
+
+
+for name in ("block_slots", "packed_mask"):   # the packed forward's host work (absent before flex attention)
+    if hasattr(train, name):
+        setattr(train, name, timed_part(name, getattr(train, name)))
+
+
 def step(i: int) -> int:
-    """One step of train.train's loop on batch i -> its blocks."""
+    """One step of train.train's loop on batch i -> its blocks; host[...] gets each part's host seconds."""
+    host.clear()
+    t0 = time.perf_counter()
     indices = list(range(i * args.sequences, (i + 1) * args.sequences))
     features, labels, teacher = train.pad_positions(*store.batch(indices), 1)
     blocks = train.make_blocks([seqs[j] for j in indices], 128, 16, mask_id, g, labels=labels)
+    t1 = time.perf_counter()
     with train.autocast(device):
         hidden = train.draft_hidden(target, drafter, blocks, features)
+        t2 = time.perf_counter()
         loss = train.block_loss(target, hidden, blocks.labels, weights, chunk_grad,
                                 None if teacher is None else train.block_teacher(teacher, blocks))
+    t3 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    t4 = time.perf_counter()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
     optimizer.step()
+    t5 = time.perf_counter()
+    host.update({"batch": t1 - t0, "draft_hidden": t2 - t1, "loss": t3 - t2, "backward": t4 - t3,
+                 "clip and optimizer": t5 - t4, "step (enqueued)": t5 - t0})
     return blocks.drawn()
 
 
@@ -69,12 +98,14 @@ warmup, timed, profiled = (12, 20, 10) if cuda else (1, 2, 1)
 for i in range(warmup):
     step(i)
 sync()
-times, blocks = [], []
+times, blocks, host_parts = [], [], []
 for i in range(warmup, warmup + timed):
     t0 = time.perf_counter()
     blocks.append(step(i))
+    host_parts.append(dict(host))
     sync()
     times.append(time.perf_counter() - t0)
+host_ms = {name: statistics.median(parts.get(name, 0.0) for parts in host_parts) * 1e3 for name in host_parts[0]}
 
 activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 with torch.profiler.profile(activities=activities) as prof:
@@ -113,11 +144,13 @@ result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": to
                      f"median of {timed} steps after {warmup}, profile of {profiled}",
           "median_step_ms": step_ms, "median_blocks": statistics.median(blocks),
           "blocks_per_s": statistics.median(blocks) / statistics.median(times),
-          "kernel_ms_per_step": kernel_ms, "groups": grouped,
+          "kernel_ms_per_step": kernel_ms, "host_ms_median": host_ms, "groups": grouped,
           "top_kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_step"])[:30])}
 json.dump(result, open(args.out, "w"), indent=1)
 print(result["setting"])
 print(f"step {step_ms:.1f} ms (median), {result['blocks_per_s']:.0f} blocks/s; kernels {kernel_ms:.1f} ms a step")
+print("host ms a step (median; the time to enqueue each part, the GPU behind): "
+      + ", ".join(f"{name} {ms:.1f}" for name, ms in host_ms.items()))
 print(f"{'group':32} {'ms/step':>8} {'share':>6} {'kernels':>8}")
 for group, entry in sorted(grouped.items(), key=lambda kv: -kv[1]["us_per_step"]):
     print(f"{group:32} {entry['us_per_step'] / 1e3:8.2f} {entry['us_per_step'] / 1e3 / kernel_ms:6.1%} "
