@@ -285,8 +285,9 @@ def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
     return visible_at(q_pos[..., :, None] - k_pos[..., None, :], causal, window)     # (..., Nq, Nk)
 
 
-def visible_at(delta, causal: bool, window: int | None):
-    """A layer's rule on query position minus key position (any shape) -> whether the key is seen."""
+def visible_at(delta, causal: bool, window):
+    """A layer's rule on query position minus key position (any shape) -> whether the key is seen. The
+    window is an int, a 0-dim tensor (training's packed rule) or None."""
     visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
     return visible if window is None else visible & (delta < window) & (delta > -window)
 
