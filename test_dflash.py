@@ -1796,6 +1796,8 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
     moved[1] += 1.0                                                                # block 1 of sequence 0
     changed = (train.packed_forward(drafter, c, moved, sequence, anchors) - packed).abs().amax(-1) > 1e-12   # (M, B)
     assert changed[1].all() and not changed[0].any() and not changed[2:].any()
+    with pytest.raises(DFlashError, match="no blocks"):
+        train.packed_forward(drafter, c, x[:0], sequence[:0], anchors[:0])
 
 
 @pytest.mark.gpu
@@ -1816,7 +1818,11 @@ def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
     c = torch.randn(2, N, H, dtype=torch.float64, generator=g)                     # (Bt, N, H)
     x = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)          # (M, B, H)
     grad_out = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)   # (M, B, H)
-    runs = {}
+    runs, kinds = {}, []
+    packed_mask = train.packed_mask
+    def recorded_mask(rule, Bt, rows, N, device, sparse):
+        kinds.append((torch.device(device).type, sparse))
+        return packed_mask(rule, Bt, rows, N, device, sparse)
     for device, dtype in (("cpu", torch.float64), ("cuda", torch.float32)):
         target = dflash.load_target(str(tiny[0]), dtype, device)
         drafter = dflash.load_drafter(str(path), target, dtype, device).requires_grad_(True)
@@ -1824,10 +1830,12 @@ def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
             torch._dynamo.reset()
             drafter.compile(dynamic=True)
         c_in, x_in = (t.detach().to(device, dtype).requires_grad_() for t in (c, x))
-        out = train.packed_forward(drafter, c_in, x_in, sequence, anchors)            # (M, B, H)
+        with mock.patch.object(train, "packed_mask", recorded_mask):
+            out = train.packed_forward(drafter, c_in, x_in, sequence, anchors)        # (M, B, H)
         out.backward(grad_out.to(device, dtype))
         runs[device] = [out.detach(), c_in.grad, x_in.grad] + [p.grad for p in drafter.layers.parameters()]
     assert len(runs["cuda"]) == len(runs["cpu"]) > 3 and all(t is not None for t in runs["cuda"])
+    assert {kind for kind in kinds if kind[0] == "cuda"} == {("cuda", True)} and ("cpu", False) in kinds   # flex on CUDA
     for got, want in zip(runs["cuda"], runs["cpu"]):
         torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)
 
@@ -1857,6 +1865,11 @@ def test_block_mask_attention_equals_the_dense_mask(causal, window):
     keys, values = (torch.randn(Bt, hk, N + P * B, d, dtype=torch.float64, generator=g) for _ in range(2))
     block_mask = create_block_mask(rule, Bt, None, P * B, N + P * B, device="cpu", BLOCK_SIZE=8)
     assert block_mask.sparsity() > 40   # percent of tiles skipped
+    # unfused flex attention applies the rule itself, so the tiles are checked on their own: a tile is
+    # listed (partly or wholly seen) exactly where some row of it sees some key of it
+    seen = torch.nn.functional.pad(dense, (0, -(N + P * B) % 8, 0, -(P * B) % 8))    # (Bt, 1, 8·Rt, 8·Kt)
+    seen = seen.unflatten(-1, (-1, 8)).unflatten(2, (-1, 8)).any(-1).any(3)          # (Bt, 1, Rt, Kt)
+    assert torch.equal(block_mask.to_dense().bool(), seen)
     got = flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(got, dflash.attend(q, keys, values, dense), rtol=1e-10, atol=1e-10)
     q_pos = anchors.repeat_interleave(B, 1) + torch.arange(P * B) % B               # (Bt, P·B)
@@ -2457,6 +2470,9 @@ def test_padded_shapes_train_exactly_like_unpadded(tiny):
     g = torch.Generator().manual_seed(0)
     padded = train.make_blocks(sequences[:3], 5, 6, 95, g, pad_to=8)
     assert len(padded.anchors) % 8 == 0 and (padded.labels[15:] == train.IGNORE).all()
+    uneven = train.make_blocks(sequences[:3], 5, 6, 95, anchor_lists=[[2, 3, 4, 5], [2], [2, 3]], pad_to=8)
+    assert uneven.sequence.tolist() == [0, 0, 0, 0, 1, 2, 2, 1] and uneven.anchors[7] == 0   # to the fewest first
+    assert uneven.sequence.bincount().max() == 4   # the packed forward's longest run did not grow
     features, labels, teacher = train.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long),
                                                     torch.ones(2, 10, 3), 16)
     assert features.shape == (2, 16, 4) and features[:, 10:].eq(0).all() and labels[:, 10:].eq(train.IGNORE).all()

@@ -2,9 +2,9 @@
 
 Self-distillation (the target answers ShareGPT prompts itself, many prompts decoded together) and
 packed-block training of the drafter, the target, its embeddings and LM head frozen. The drafter
-math is dflash.py's own: the packed forward is `Drafter.forward` with every block of a batch as a row
-of its own, sharing its sequence's context K/V, and a mask that hides the context from the anchor
-on. The target's features and its own argmax labels are captured once per run and kept on the
+math is dflash.py's own: the packed forward is `Drafter.forward` with each sequence of a batch as a
+row, its blocks one run of query rows against its context K/V and themselves, and a rule that keeps
+each block to the context before its anchor and to itself. The target's features and its own argmax labels are captured once per run and kept on the
 device. The target and prompts come from PyPI packages (offline.py), so this runs with no hub;
 evaluation.py measures the result.
 
@@ -16,7 +16,8 @@ evaluation.py measures the result.
 
 Shape legend (as in dflash.py, plus): Bt sequences in a batch, N padded sequence length,
 M blocks in a batch, B block size, H hidden, n captured layers, V vocab, h/hk query/key heads,
-d head_dim, C a BatchDecoder's K/V capacity in slots.
+d head_dim, C a BatchDecoder's K/V capacity in slots; in the packed forward, P the most blocks a
+sequence of the batch has.
 """
 from __future__ import annotations
 
@@ -505,9 +506,10 @@ def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_tok
                 full_only=False, anchor_lists: list[list[int]] | None = None, labels=None, pad_to: int = 1) -> Blocks:
     """Up to `count` blocks per sequence, at anchor_lists[b] if given, else by choose_anchors, one after
     another. A row's label is labels[b, a+k] (N-padded, e.g. the target's own argmax), by default the
-    text's own token there. With pad_to > 1, unlabelled blocks at anchor 0, one for each sequence in
-    turn, round the count M up to a multiple of pad_to: they add nothing to the loss, and steps repeat
-    fewer shapes."""
+    text's own token there. With pad_to > 1, unlabelled blocks at anchor 0 round the count M up to a
+    multiple of pad_to: they add nothing to the loss, and the head's shapes repeat more often. Each goes
+    to the sequence with the fewest blocks so far, so the packed forward's longest run (P) grows only
+    once every sequence is as long."""
     B = block_size
     ids, lengths = pad_sequences(sequences)                                           # (Bt, N), (Bt,)
     chosen = [anchor_lists[b] if anchor_lists is not None else choose_anchors(seq, count, B, generator, full_only)
@@ -524,7 +526,11 @@ def make_blocks(sequences: list[Sequence], count: int, block_size: int, mask_tok
     row_labels = row_labels.masked_fill(~(in_text & (k >= 1)), IGNORE)
     extra = -len(anchors) % pad_to
     if extra:
-        owners = torch.arange(extra) % len(sequences)                                   # (extra,)
+        counts, owners = torch.bincount(sequence, minlength=len(sequences)), []         # (Bt,) blocks so far
+        for _ in range(extra):
+            owners.append(int(counts.argmin()))
+            counts[owners[-1]] += 1
+        owners = torch.tensor(owners, dtype=torch.long)                                 # (extra,)
         sequence, anchors = torch.cat([sequence, owners]), torch.cat([anchors, torch.zeros(extra, dtype=torch.long)])
         padding = torch.full((extra, B), mask_token_id, dtype=torch.long)                # (extra, B)
         padding[:, 0] = ids[owners, 0]
@@ -545,10 +551,10 @@ def pad_positions(features, labels, teacher, multiple: int):
     return pad(features), torch.nn.functional.pad(labels, (0, extra), value=IGNORE), pad(teacher)
 
 
-def block_slots(sequence, count: int) -> tuple[torch.Tensor, int]:
-    """Blocks (M,) by sequence (on the host), `count` sequences -> each block's slot (M,) among the packed
-    forward's count·P, sequence b's blocks in order from b·P on, and P, the most blocks a sequence has."""
-    seen, index = [0] * count, []
+def block_slots(sequence, Bt: int) -> tuple[torch.Tensor, int]:
+    """Blocks (M,) by sequence (on the host) of Bt sequences -> each block's slot (M,) among the packed
+    forward's Bt·P, sequence b's blocks in order from b·P on, and P, the most blocks a sequence has."""
+    seen, index = [0] * Bt, []
     for b in sequence.tolist():
         index.append(seen[b])
         seen[b] += 1
@@ -590,14 +596,16 @@ def packed_mask(rule, Bt: int, rows: int, N: int, device, sparse: bool):
 def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     """dflash.draft_block for every block at once, through the same Drafter.forward: contexts c
     (Bt, N, H) at positions 0..N-1 and block embeddings x (M, B, H), block j of sequence sequence[j]
-    (on the host) at anchors[j] + 0..B-1. Each sequence's blocks are one run of query rows (P·B, padded
-    with blocks at anchor 0 that see only themselves) against its context's K/V (each layer's context_kv,
-    as at inference) and those rows, so nothing is copied per block; packed_rule keeps each row to the
-    context before its anchor and its own block. Returns the final-normed hidden states (M, B, H)."""
+    at anchors[j] + 0..B-1 (both on the host). Each sequence's blocks are one run of query rows (P·B,
+    padded with blocks at anchor 0 that see only themselves) against its context's K/V (each layer's
+    context_kv, as at inference) and those rows, so nothing is copied per block; packed_rule keeps each
+    row to the context before its anchor and its own block. Returns the final-normed hidden states
+    (M, B, H)."""
     (M, B, H), (Bt, N), device = x.shape, c.shape[:2], c.device
+    dflash.require(M > 0, "packed_forward: no blocks to draft (M = 0)")
     slots, P = block_slots(sequence, Bt)                                              # (M,) on the host
-    block_anchors = torch.zeros(Bt * P, dtype=torch.long).index_copy(0, slots, anchors).view(Bt, P)
-    block_anchors, slots = to_device(block_anchors, device), to_device(slots, device)
+    block_anchors = torch.zeros(Bt * P, dtype=torch.long).index_copy(0, slots, anchors).view(Bt, P)   # (Bt, P)
+    block_anchors, slots = to_device(block_anchors, device), to_device(slots, device)   # empty slots at anchor 0
     rows_x = x.new_zeros(Bt * P, B, H).index_copy(0, slots, x).view(Bt, P * B, H)     # (Bt, P·B, H)
     positions = (block_anchors[..., None] + torch.arange(B, device=device)).flatten(1)   # (Bt, P·B)
     # flex attention's fused kernels run on CUDA, for head dims of 16 and more; elsewhere SDPA, dense mask
@@ -823,9 +831,9 @@ def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teac
 
 
 def step_flops(drafter: Drafter, target, blocks: Blocks, N: int, soft: bool = False) -> float:
-    """Matmul FLOPs of one training step as run (padded context included), forward and backward:
+    """Matmul FLOPs of one training step (padded context included), forward and backward:
     context projection and K/V over Bt·N positions, the layers over M·B rows attending to N+B keys
-    (its sequence's other block rows, masked, are not counted),
+    (its sequence's other block rows, masked, and the packed forward's empty slots are not counted),
     and the frozen head over the labelled rows (its forward and the gradient to the rows; with `soft`,
     the teacher's logits too)."""
     cfg, tcfg = drafter.config, target.config.get_text_config()
@@ -1660,7 +1668,8 @@ def parse_args(argv=None):
                    "(default: all at once)")
     s.add_argument("--pad-shapes", type=int, nargs=2, default=[1, 1], metavar=("POSITIONS", "BLOCKS"),
                    help="round each step's context length and block count up to multiples of these (masked, "
-                        "unlabelled padding: the same loss), so that steps repeat fewer shapes (default: 1 1, none)")
+                        "unlabelled padding: the same loss), so that steps repeat fewer shapes; the block count "
+                        "sizes the head's loss, not the packed forward's runs (default: 1 1, none)")
     s.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward and the head's loss "
                    "chunk (dynamic shapes; the first steps wait for the compiler)")
     s.add_argument("--soft-labels", action="store_true", help="logit distillation: each block row learns the "
