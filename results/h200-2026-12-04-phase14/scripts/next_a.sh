@@ -10,7 +10,7 @@ T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 HERE=results/h200-2026-12-04-phase14/scripts
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
 for kind in ${KINDS:-argmax soft}; do
-  timeout 120 python3 $HERE/step_profile.py $OUT/step-profile-$kind.json $([ $kind = soft ] && echo --soft) \
+  timeout 120 python3 results/h200-2026-12-04-phase15/scripts/step_profile.py $OUT/step-profile-$kind.json $([ $kind = soft ] && echo --soft) \
     > $OUT/step-profile-$kind.log 2>&1
   echo "step profile ($kind): rc $? at $(el)s"; grep -v "^\s*$" $OUT/step-profile-$kind.log | grep -iv warn | tail -n 16
 done

@@ -1,7 +1,7 @@
 """Where a training step's time goes, kernel by kernel: train.train's step in phase 13's setting (a
 SmolLM2-135M-shaped target with random weights, 3 drafter layers, cached features, 32 random sequences
 of 200-768 tokens (prompts 20-200) x <= 128 anchors, the drafter and the head's loss compiled), timed
-with CUDA events over 20 steps after 12 of warm-up, then profiled over 10 more. The kernels are
+with the GPU synchronized over 20 steps after 12 of warm-up, then profiled over 10 more. The kernels are
 grouped (GEMMs, attention, the head's loss chunk, other compiled kernels, eager elementwise, copies,
 the optimizer) with their time per step; the top kernels are listed. The batch sweep
 (../../h200-2026-12-04-stored/) showed the pace is the kernels'; this says which.
@@ -11,9 +11,9 @@ the optimizer) with their time per step; the top kernels are listed. The batch s
 It also times each part of a step on the host (enqueue times, the GPU running behind; the packed
 forward's block_slots and packed_mask within draft_hidden). --soft profiles logit distillation's step
 (train --soft-labels). --code DIR imports train.py and dflash.py from DIR before the checkout's (phase
-15: the packed forward before flex attention, in old/). Phase 15's copy of phase 14's script: those two,
-and attention kernels grouped before GEMMs (cutlass named the memory-efficient attention's kernels into
-the GEMMs).
+15: the packed forward before flex attention, in old/, made as ../README.md says). Written for phase 14;
+phase 15 added those two and grouped attention kernels before GEMMs (cutlass named the memory-efficient
+attention's kernels into the GEMMs).
 """
 import argparse, json, os, re, statistics, sys, time
 p = argparse.ArgumentParser()
