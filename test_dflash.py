@@ -1849,6 +1849,26 @@ def test_block_slots_keep_each_sequence_in_order():
     assert P == 3 and slots.tolist() == [3, 4, 5]
 
 
+@pytest.mark.parametrize("causal,window", [(False, None), (True, 40)])
+def test_packed_mask_builds_the_eager_block_mask(causal, window):
+    """packed_mask's BlockMask (create_block_mask compiled, dynamic shapes) has the tiles, partly and
+    wholly seen, that create_block_mask builds eagerly, over batches of new shapes: tiles of 128, two
+    sequences of 300 positions and 40 blocks of 16 in order, as training draws them (5 row tiles, 8
+    key tiles)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    g = torch.Generator().manual_seed(0)
+    Bt, B, N = 2, 16, 300
+    for P in (40, 33, 40):
+        anchors = torch.randint(0, N - B, (Bt, P), generator=g).sort(1).values       # (Bt, P), in order
+        rule = train.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
+        got = train.packed_mask(rule, Bt, P * B, N, "cpu", True)
+        want = create_block_mask(rule, Bt, None, P * B, N + P * B, device="cpu")
+        assert 20 < want.sparsity() < 80                                            # percent of tiles skipped
+        assert torch.equal(got.to_dense(), want.to_dense())
+        full = lambda mask: mask.full_kv_num_blocks.sum().item()
+        assert full(got) == full(want) and (full(want) > 0) == (window is None)   # a window of 40 fills no tile
+
+
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 5)])
 def test_block_mask_attention_equals_the_dense_mask(causal, window):
     """The packed rule as a flex attention BlockMask (tiles of 8 here, 128 on CUDA) gives the same
