@@ -1820,9 +1820,9 @@ def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
     grad_out = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)   # (M, B, H)
     runs, kinds = {}, []
     packed_mask = train.packed_mask
-    def recorded_mask(rule, Bt, rows, N, device, sparse):
-        kinds.append((torch.device(device).type, sparse))
-        return packed_mask(rule, Bt, rows, N, device, sparse)
+    def recorded_mask(block_anchors, *rest):
+        kinds.append((block_anchors.device.type, rest[-1]))
+        return packed_mask(block_anchors, *rest)
     for device, dtype in (("cpu", torch.float64), ("cuda", torch.float32)):
         target = dflash.load_target(str(tiny[0]), dtype, device)
         drafter = dflash.load_drafter(str(path), target, dtype, device).requires_grad_(True)
@@ -1849,41 +1849,52 @@ def test_block_slots_keep_each_sequence_in_order():
     assert P == 3 and slots.tolist() == [3, 4, 5]
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, 40)])
-def test_packed_mask_builds_the_eager_block_mask(causal, window):
-    """packed_mask's BlockMask (create_block_mask compiled, dynamic shapes) has the tiles, partly and
-    wholly seen, that create_block_mask builds eagerly, over batches of new shapes: tiles of 128, two
-    sequences of 300 positions and 40 blocks of 16 in order, as training draws them (5 row tiles, 8
-    key tiles)."""
+BLOCK_MASK_PARTS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                    "q_indices", "full_q_num_blocks", "full_q_indices"]
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 40), (False, 40), (True, 3), (False, 3)])
+def test_packed_block_mask_is_create_block_masks(causal, window):
+    """packed_block_mask, built from each row's two intervals of visible keys, is the BlockMask that
+    create_block_mask builds by evaluating the rule at every (row, key): every index tensor equal, for
+    tiles of 128 (two sequences of 300 positions, 40 or 33 blocks of 16 in order, as training draws
+    them) and of 8, 32 and 4 (anchors in any order, blocks of 4 and 16: tiles smaller than a block see
+    the causal and window rule inside it), windows wider and narrower than a tile and than a block;
+    partly and wholly seen tiles both occur where they can."""
     from torch.nn.attention.flex_attention import create_block_mask
     g = torch.Generator().manual_seed(0)
-    Bt, B, N = 2, 16, 300
-    for P in (40, 33, 40):
-        anchors = torch.randint(0, N - B, (Bt, P), generator=g).sort(1).values       # (Bt, P), in order
+    for Bt, B, N, P, tile, in_order in [(2, 16, 300, 40, 128, True), (2, 16, 300, 33, 128, True),
+                                         (3, 4, 61, 13, 8, False), (2, 16, 100, 7, 32, False), (2, 16, 70, 5, 4, False)]:
+        anchors = torch.randint(0, N - B, (Bt, P), generator=g)                     # (Bt, P)
+        anchors = anchors.sort(1).values if in_order else anchors
+        anchors[-1, -2:] = 0                                                        # empty slots, as block_slots leaves them
         rule = train.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
-        got = train.packed_mask(rule, Bt, P * B, N, "cpu", True)
-        want = create_block_mask(rule, Bt, None, P * B, N + P * B, device="cpu")
-        assert 20 < want.sparsity() < 80                                            # percent of tiles skipped
-        assert torch.equal(got.to_dense(), want.to_dense())
-        full = lambda mask: mask.full_kv_num_blocks.sum().item()
-        assert full(got) == full(want) and (full(want) > 0) == (window is None)   # a window of 40 fills no tile
+        got = train.packed_block_mask(anchors, B, N, causal, window, rule, tile=tile)
+        want = create_block_mask(rule, Bt, None, P * B, N + P * B, device="cpu", BLOCK_SIZE=tile)
+        case = (Bt, B, N, P, tile)
+        assert got.BLOCK_SIZE == want.BLOCK_SIZE and got.seq_lengths == want.seq_lengths, case
+        for part in BLOCK_MASK_PARTS:
+            assert torch.equal(getattr(got, part), getattr(want, part)), (case, part)
+        assert 0 < want.kv_num_blocks.sum() and 5 < want.sparsity(), case
+        if tile == 128:   # wholly seen tiles need a window of at least a tile
+            assert (want.full_kv_num_blocks.sum() > 0) == (window is None), case
 
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 5)])
 def test_block_mask_attention_equals_the_dense_mask(causal, window):
-    """The packed rule as a flex attention BlockMask (tiles of 8 here, 128 on CUDA) gives the same
-    attention as the dense mask SDPA gets from it, GQA included (float64, CPU, flex attention
+    """The packed rule's BlockMask (packed_block_mask; tiles of 8 here, 128 on CUDA) gives the same
+    attention as the dense mask SDPA gets from the rule, GQA included (float64, CPU, flex attention
     unfused); whole tiles are skipped, and each row sees exactly: the context before its anchor,
     its own block's rows, under the layer's causal/window rule."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
     g = torch.Generator().manual_seed(0)
     Bt, P, B, N, h, hk, d = 2, 12, 4, 60, 4, 2, 8
     anchors = torch.randint(0, N - B, (Bt, P), generator=g)                         # (Bt, P)
     rule = train.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
-    dense = train.packed_mask(rule, Bt, P * B, N, "cpu", False)                     # (Bt, 1, P·B, N+P·B)
+    dense = train.packed_mask(anchors, B, N, causal, window, False)                 # (Bt, 1, P·B, N+P·B)
     q = torch.randn(Bt, h, P * B, d, dtype=torch.float64, generator=g)
     keys, values = (torch.randn(Bt, hk, N + P * B, d, dtype=torch.float64, generator=g) for _ in range(2))
-    block_mask = create_block_mask(rule, Bt, None, P * B, N + P * B, device="cpu", BLOCK_SIZE=8)
+    block_mask = train.packed_block_mask(anchors, B, N, causal, window, rule, tile=8)
     assert block_mask.sparsity() > 40   # percent of tiles skipped
     # unfused flex attention applies the rule itself, so the tiles are checked on their own: a tile is
     # listed (partly or wholly seen) exactly where some row of it sees some key of it
@@ -2326,25 +2337,80 @@ def test_step_loss_waits_for_its_own_step_only():
     assert own < 0.2 < plain, (own, plain)
 
 
+def head_kernel_errors(device, dtypes, cases=((37, 1000), (5, 4096)), block=256):
+    """The head loss kernel (triton_head_chunk_grad; tiles of `block`, so that a row takes several,
+    the last cut short where V is not a multiple) and its twin head_chunk_grad, each against float64
+    autograd: the largest errors of the loss and of the gradient to the logits, the largest exact
+    values, and whether each gradient came back in the logits' dtype."""
+    errors = {}
+    for rows, vocab in cases:
+        for dtype in dtypes:
+            logits, labels, w, want, want_grad = head_chunk_cases(device, dtype, rows, vocab)
+            runs = {"kernel": train.triton_head_chunk_grad(logits, labels, w, block=block),
+                    "twin": train.head_chunk_grad(logits, labels, w)}
+            errors[f"{rows}x{vocab} {dtype}"] = {
+                **{name: [abs(loss.item() - want.item()), (grad.double() - want_grad).abs().max().item()]
+                   for name, (loss, grad) in runs.items()},
+                "largest": [abs(want.item()), want_grad.abs().max().item()],
+                "same_dtype": all(grad.dtype == dtype for _, grad in runs.values())}
+    return errors
+
+
+def check_head_kernel(errors: dict):
+    """The kernel's loss and gradient are within twice the twin's own error in the same dtype plus
+    1e-6 of the largest exact value (at least 1e-6)."""
+    assert errors
+    for key, e in errors.items():
+        assert e["same_dtype"], key
+        for i in range(2):
+            assert e["kernel"][i] <= 2 * e["twin"][i] + 1e-6 * max(1.0, e["largest"][i]), (key, i, e)
+
+
+def test_head_kernel_under_the_triton_interpreter():
+    """The head's loss kernel (one row per program: log Z in an online pass, then loss and gradient),
+    run by Triton's CPU interpreter in fp32 and fp16, against float64 autograd as closely as its
+    plain-torch twin (`check_head_kernel`)."""
+    errors = under_the_triton_interpreter("head_kernel_errors('cpu', [torch.float32, torch.float16])")
+    assert len(errors) == 2 * 2
+    check_head_kernel(errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_head_kernel_on_cuda():
+    """The same on the GPU in fp32, fp16 and bf16, and at SmolLM2's vocabulary in bf16 with the
+    kernel's own tiles (a full chunk of 8,192 rows and a short one)."""
+    errors = head_kernel_errors("cuda", [torch.float32, torch.float16, torch.bfloat16])
+    errors |= head_kernel_errors("cuda", [torch.bfloat16], cases=((train.CE_CHUNK, 49152), (1000, 49152)),
+                                 block=train.HEAD_BLOCK)
+    print(errors)
+    check_head_kernel(errors)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("soft", [False, True], ids=["argmax", "distillation"])
 def test_compiled_head_chunk_on_cuda(soft):
-    """The compiled head loss chunk on CUDA at SmolLM2's vocabulary, bf16 logits as training runs them
-    (a full chunk and a short last one), cross-entropy or logit distillation: its error against float64
-    autograd stays within twice the eager chunk's own error plus 1e-6 of the largest exact value, for
-    the loss and the bf16 gradient to the logits."""
+    """The head loss chunk train --compile runs on CUDA (cross-entropy: the Triton kernel; logit
+    distillation: compiled) at SmolLM2's vocabulary, bf16 logits as training runs them (a full chunk
+    and a short last one): its error against float64 autograd stays within twice the eager plain-torch
+    chunk's own error plus 1e-6 of the largest exact value, for the loss and the bf16 gradient to the
+    logits."""
     torch._dynamo.reset()
-    compiled, eager = train.head_loss_chunk(True, soft), train.head_loss_chunk(False, soft)
+    compiled, eager = train.head_loss_chunk(True, soft), (train.soft_chunk_grad if soft else train.head_chunk_grad)
+    kernel_rows, kernel = [], train.triton_head_chunk_grad
+    recorded = lambda logits, *rest: kernel_rows.append(len(logits)) or kernel(logits, *rest)
     for rows in (train.CE_CHUNK, 1000):
         logits, labels, w, want, want_grad = head_chunk_cases("cuda", torch.bfloat16, rows, 49152, soft)
         eager_loss, eager_grad = eager(logits, labels, w)
-        loss, grad = compiled(logits, labels, w)
+        with mock.patch.object(train, "triton_head_chunk_grad", recorded):
+            loss, grad = compiled(logits, labels, w)
         assert grad.dtype == torch.bfloat16
         for got, ref in [(loss, eager_loss), (grad, eager_grad)]:
             exact = want if got.dim() == 0 else want_grad
             err, ref_err = ((t.double() - exact).abs().max().item() for t in (got, ref))
             assert err <= 2 * ref_err + 1e-6 * max(1.0, exact.abs().max().item()), (rows, err, ref_err)
+    assert kernel_rows == ([] if soft else [train.CE_CHUNK, 1000])   # cross-entropy through the kernel
 
 
 def test_cached_features_train_exactly_like_a_target_pass_per_step(tiny):

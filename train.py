@@ -22,7 +22,6 @@ sequence of the batch has.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -34,8 +33,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+try:   # CUDA builds of torch ship Triton; without it (CPU installs) the head's loss runs its plain-torch twin
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 import dflash
 import fastpath
@@ -586,21 +592,60 @@ def packed_rule(block_anchors, block_size: int, N, causal: bool, window):
     return rule
 
 
-@functools.cache
-def compiled_create_block_mask():
-    """create_block_mask compiled once for every step's new shapes (dynamic): at phase 13's shapes on an
-    H200 it builds the same tiles with 0.8 ms of host work instead of 3.7, and 60 MiB at its peak
-    instead of 1.7 GiB, since the eager one evaluates the rule over the whole dense grid."""
-    return torch.compile(create_block_mask, dynamic=True)
-
-
-def packed_mask(rule, Bt: int, rows: int, N: int, device, sparse: bool):
-    """A packed rule over (Bt, rows) queries and (Bt, N + rows) keys -> if sparse, a flex attention
-    BlockMask (its fully masked 128 × 128 tiles are skipped), built by compiled_create_block_mask; else
-    the dense (Bt, 1, rows, N + rows) bool mask for SDPA, from the same rule."""
+def packed_mask(block_anchors, block_size: int, N: int, causal: bool, window: int | None, sparse: bool):
+    """packed_rule's mask for block_anchors (Bt, P) over (Bt, P·B) query rows and (Bt, N + P·B) keys ->
+    if sparse, a flex attention BlockMask (packed_block_mask: its fully masked 128 × 128 tiles are
+    skipped, and its fully seen ones skip the rule); else the dense (Bt, 1, P·B, N + P·B) bool mask for
+    SDPA, the rule evaluated at every (row, key)."""
+    device = block_anchors.device
+    window_t = None if window is None else to_device(torch.tensor(window), device)
+    rule = packed_rule(block_anchors, block_size, to_device(torch.tensor(N), device), causal, window_t)
     if sparse:
-        return compiled_create_block_mask()(rule, Bt, None, rows, N + rows, device=device)
-    return create_mask(rule, Bt, None, rows, N + rows, device=device)
+        return packed_block_mask(block_anchors, block_size, N, causal, window, rule)
+    rows = block_anchors.shape[1] * block_size
+    return create_mask(rule, block_anchors.shape[0], None, rows, N + rows, device=device)
+
+
+def packed_block_mask(block_anchors, block_size: int, N: int, causal: bool, window: int | None, rule,
+                      tile: int = 128) -> BlockMask:
+    """packed_rule's flex attention BlockMask, the one create_block_mask(rule, ...) builds with tiles of
+    `tile`, from what each row sees: the keys of two intervals, not the rule at every (row, key), which
+    on an H200 cost 4 ms a step compiled (one kernel over 32 × 2,048 × 2,816 pairs) and 1.7 GiB eager.
+    Row o of a block at anchor a (position a + o) sees the context [a + o − w + 1, a) and its own block's
+    rows j (keys N + p·B + j) with j ≤ o if causal and |o − j| < w, the window w (None: unbounded). A tile
+    is listed if some row sees some key of it, and as full if every row sees every key; the tiles past
+    the rows' and keys' ends are padding that nothing sees, as create_block_mask pads them."""
+    (Bt, P), B, device = block_anchors.shape, block_size, block_anchors.device
+    R, S = P * B, N + P * B
+    w = S if window is None else window                                                # unbounded: wider than the keys
+    o = torch.arange(B, device=device)                                                 # (B,) a row's place in its block
+    anchor = block_anchors[..., None]                                                  # (Bt, P, 1)
+    context = ((anchor + o - w + 1).clamp(min=0), anchor.expand(Bt, P, B))             # [lo, hi), (Bt, P, B) each
+    first = N + B * torch.arange(P, device=device)[:, None]                           # (P, 1) each block's first key
+    last = torch.minimum(o + 1, o + w) if causal else torch.clamp(o + w, max=B)        # (B,) own rows j < last
+    own = (first + (o - w + 1).clamp(min=0), first + last)                            # [lo, hi), (P, B) each
+    tiles = torch.arange(0, S, tile, device=device)                                   # (Kt,) each key tile's first key
+    ends = tiles + tile
+
+    def seen(lo, hi):   # rows' intervals -> (Bt, R, Kt): the interval meets the tile
+        lo, hi = lo.expand(Bt, P, B).reshape(Bt, R, 1), hi.expand(Bt, P, B).reshape(Bt, R, 1)
+        return (lo < hi) & (lo < ends) & (hi > tiles)
+
+    def covered(lo, hi):   # -> (Bt, R, Kt): the interval holds the whole tile (so never one past the keys' end)
+        lo, hi = lo.expand(Bt, P, B).reshape(Bt, R, 1), hi.expand(Bt, P, B).reshape(Bt, R, 1)
+        return (lo <= tiles) & (hi >= ends)
+
+    rows_pad = -R % tile                                                               # padding rows see nothing
+    some = F.pad(seen(*context) | seen(*own), (0, 0, 0, rows_pad))                     # (Bt, Qt·tile, Kt)
+    every = F.pad(covered(*context) | covered(*own), (0, 0, 0, rows_pad))
+    some, every = some.unflatten(1, (-1, tile)).any(2), every.unflatten(1, (-1, tile)).all(2)   # (Bt, Qt, Kt)
+
+    def ordered(tiles_listed):   # (Bt, Qt, Kt) -> per row tile: how many, and their key tiles first
+        listed = tiles_listed[:, None].to(torch.int32)                                 # (Bt, 1, Qt, Kt)
+        return (listed.sum(-1, dtype=torch.int32),
+                torch.argsort(listed, dim=-1, descending=True, stable=True).to(torch.int32))
+    return BlockMask.from_kv_blocks(*ordered(some & ~every), *ordered(every), BLOCK_SIZE=tile, mask_mod=rule,
+                                    seq_lengths=(R, S))
 
 
 def packed_forward(drafter: Drafter, c, x, sequence, anchors):
@@ -623,9 +668,7 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     masks = {}   # one per distinct (causal, window) rule
     for layer in drafter.layers:
         if (layer.causal, layer.window) not in masks:
-            window = None if layer.window is None else to_device(torch.tensor(layer.window), device)
-            rule = packed_rule(block_anchors, B, to_device(torch.tensor(N), device), layer.causal, window)
-            masks[layer.causal, layer.window] = packed_mask(rule, Bt, P * B, N, device, sparse)
+            masks[layer.causal, layer.window] = packed_mask(block_anchors, B, N, layer.causal, layer.window, sparse)
     tables = drafter.rope_tables(torch.arange(N, device=device), c.dtype)
     context = [layer.context_kv(c, tables) for layer in drafter.layers]               # L × (Bt, hk, N, d) each
     # cuDNN left out, as for the target: it plans every new shape, and each training step brings new ones
@@ -763,7 +806,8 @@ def head_chunk_grad(logits, labels, row_weights):
     """One chunk of FrozenHeadCrossEntropy: logits (c, V) in the head's dtype, labels (c,), row weights
     (c,) -> Σ w · CE and its gradient to the logits, w · (softmax − onehot), in the head's dtype, with
     the softmax in float32 (float64 for a float64 head). Pointwise but for the softmax's row sums, so
-    that compiled (`train --compile`) it is a few fused passes over the logits rather than one per op."""
+    that compiled (`train --compile`) it is a few fused passes over the logits rather than one per op.
+    The plain-torch twin of triton_head_chunk_grad, which head_loss_chunk takes on CUDA."""
     exact = torch.promote_types(logits.dtype, torch.float32)
     log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
     loss = -(row_weights * log_p.gather(1, labels[:, None])[:, 0]).sum()
@@ -786,11 +830,62 @@ def soft_chunk_grad(logits, teacher_logits, row_weights):
     return loss, d_logits.to(logits.dtype)
 
 
+if triton is not None:
+    @triton.jit
+    def _head_chunk_grad(Logits, Labels, Weights, Grad, RowLoss, V, stride, BLOCK: tl.constexpr):
+        """Row r of a chunk: its log-partition log Σ exp(x) in one online pass over the row's logits x,
+        then its loss w·(log Z − x[y]) and, in a second pass, its gradient w·(exp(x − log Z) − onehot(y))
+        in the logits' dtype; float32 inside."""
+        r = tl.program_id(0).to(tl.int64)
+        row, cols = Logits + r * stride, tl.arange(0, BLOCK)
+        run_max = tl.full([BLOCK], -1e30, tl.float32)   # finite: a lane past V adds exp(-inf) = 0, not NaN
+        run_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            x = tl.load(row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(run_max, x)
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
+            run_max = new_max
+        top = tl.max(run_max, 0)
+        log_z = top + tl.log(tl.sum(run_sum * tl.exp(run_max - top), 0))
+        label, w = tl.load(Labels + r), tl.load(Weights + r).to(tl.float32)
+        tl.store(RowLoss + r, w * (log_z - tl.load(row + label).to(tl.float32)))
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            x = tl.load(row + c, mask=c < V, other=0.0).to(tl.float32)
+            grad = (tl.exp(x - log_z) - (c == label).to(tl.float32)) * w
+            tl.store(Grad + r * V + c, grad.to(Grad.dtype.element_ty), mask=c < V)
+
+
+HEAD_BLOCK, HEAD_WARPS = 2048, 8   # a row's tile and warps: 0.651 ms a chunk of 8,192 on the H200 (1.69× its floor), 4096 / 8 0.676
+
+
+def triton_head_chunk_grad(logits, labels, row_weights, block: int = HEAD_BLOCK, warps: int = HEAD_WARPS):
+    """head_chunk_grad as one Triton kernel, a program per row: the logits are read twice and the
+    gradient written once, where inductor's fused passes over the plain-torch math read them more."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    (c, V), exact = logits.shape, torch.promote_types(logits.dtype, torch.float32)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)          # (c, V)
+    row_loss = torch.empty(c, dtype=exact, device=logits.device)                   # (c,)
+    if c:
+        _head_chunk_grad[(c,)](logits, labels, row_weights, grad, row_loss, V, logits.stride(0),
+                               BLOCK=block, num_warps=warps)
+    return row_loss.sum(), grad
+
+
 def head_loss_chunk(compiled: bool, soft: bool = False):
-    """The chunk function FrozenHeadCrossEntropy runs: head_chunk_grad (soft_chunk_grad with `soft`), or
-    for `train --compile` the same compiled (inductor, dynamic rows: one compile serves every chunk length)."""
-    chunk_grad = soft_chunk_grad if soft else head_chunk_grad
-    return torch.compile(chunk_grad, dynamic=True) if compiled else chunk_grad
+    """The chunk function FrozenHeadCrossEntropy runs. Cross-entropy: on CUDA (below float64) one
+    Triton kernel, triton_head_chunk_grad; elsewhere head_chunk_grad, for `train --compile` compiled
+    (inductor, dynamic rows: one compile serves every chunk length). Logit distillation:
+    soft_chunk_grad, compiled the same way for --compile."""
+    if soft:
+        return torch.compile(soft_chunk_grad, dynamic=True) if compiled else soft_chunk_grad
+    twin = torch.compile(head_chunk_grad, dynamic=True) if compiled else head_chunk_grad
+
+    def chunk_grad(logits, labels, row_weights):
+        if logits.is_cuda and triton is not None and logits.dtype != torch.float64:
+            return triton_head_chunk_grad(logits, labels, row_weights)
+        return twin(logits, labels, row_weights)
+    return chunk_grad
 
 
 class FrozenHeadCrossEntropy(torch.autograd.Function):

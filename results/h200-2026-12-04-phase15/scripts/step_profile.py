@@ -115,7 +115,7 @@ with torch.profiler.profile(activities=activities) as prof:
 
 GROUPS = [("attention", r"fmha|flash|flex|attention|efficient"),
           ("GEMM", r"gemm|cutlass|nvjet|sm90_xmma|cublas|splitk"),
-          ("head loss chunk (compiled)", r"log_softmax|_softmax|logsumexp"),
+          ("head loss chunk", r"log_softmax|_softmax|logsumexp|head_chunk_grad"),
           ("other compiled (Triton)", r"^triton"),
           ("optimizer", r"multi_tensor|adam|foreach"),
           ("copies, fills", r"memcpy|memset|copy|fill|cat|index|gather|scatter"),
