@@ -18,7 +18,7 @@ import json, os, statistics, sys
 sys.path.insert(0, os.getcwd())
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-import train
+import bench, train
 
 device, dtype = "cuda", torch.bfloat16
 Bt, B, h, hk, d, per_seq = 32, 16, 9, 3, 64, 128
@@ -62,15 +62,9 @@ variants = {
 }
 
 
-def timed(fn, reps=20, warm=5):
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); fn(); end.record(); torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def timed(fn):
+    """Median ms of fn, CUDA events around each call, 20 after 5 warm-ups (bench.graph_time)."""
+    return bench.graph_time(fn, iters=20)
 
 
 result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "Bt": Bt, "N": N, "R": R,

@@ -10,7 +10,7 @@ come from L2). Each result's loss and gradient are checked against the eager mat
 import json, os, statistics, sys
 sys.path.insert(0, os.getcwd())
 import torch
-import train
+import bench, train
 
 rows, V = train.CE_CHUNK, 49152
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -19,15 +19,9 @@ labels = torch.randint(0, V, (rows,), device="cuda", generator=g)
 w = torch.rand(rows, device="cuda", generator=g)
 
 
-def timed(fn, reps=20, warm=5):
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); fn(); end.record(); torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def timed(fn):
+    """Median ms of fn, CUDA events around each call, 20 after 5 warm-ups (bench.graph_time)."""
+    return bench.graph_time(fn, iters=20)
 
 
 big = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
