@@ -3,15 +3,22 @@
 layers, cached features, random sequences of 200-768 tokens (prompts 20-200) x <= 128 anchors, the
 drafter and the head's loss compiled. For each batch: 48 steps from a fresh drafter; the pace is the
 median of steps 9-48 as train() reports them (blocks/s, TFLOP/s), and the peak memory.
+--pad-positions M pads each step's context to a multiple of M positions (train --pad-shapes M 1;
+phase 16's next call: M = 128 lines the block rows up with flex attention's tiles).
 
-    $ python batch_sweep.py OUT_JSON [BATCH ...]        # default batches 32 64 128
+    $ python batch_sweep.py OUT_JSON [BATCH ...] [--pad-positions M]   # default batches 32 64 128, M 1
 """
-import json, os, statistics, sys, time
+import argparse, json, os, statistics, sys, time
 sys.path.insert(0, os.getcwd())
 import torch
 import bench, train
 
-out, batches = sys.argv[1], [int(b) for b in sys.argv[2:]] or [32, 64, 128]
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("batches", type=int, nargs="*")
+p.add_argument("--pad-positions", type=int, default=1)
+args = p.parse_args()
+out, batches = args.out, args.batches or [32, 64, 128]
 target, _ = bench.build_pair(bench.SHAPES["smollm2-135m"])
 g = torch.Generator().manual_seed(0)
 vocab = target.config.vocab_size
@@ -26,12 +33,12 @@ for batch in batches:
     torch.cuda.reset_peak_memory_stats()
     drafter = train.new_drafter(target, raw)
     cfg = train.TrainConfig(epochs=100, batch_size=batch, anchors=128, lr=6e-4, eval_every=10**9,
-                            max_steps=48, compile=True, seed=0)
+                            max_steps=48, compile=True, seed=0, pad_shapes=(args.pad_positions, 1))
     t0 = time.perf_counter()
     history = train.train(target, drafter, seqs, [], cfg, progress=False)
     torch.cuda.synchronize()
     timed = history[8:]
-    run = {"batch": batch, "wall_s": time.perf_counter() - t0,
+    run = {"batch": batch, "pad_positions": args.pad_positions, "wall_s": time.perf_counter() - t0,
            "median_blocks_per_step": statistics.median(h["blocks"] for h in timed),
            "median_step_ms": statistics.median(h["blocks"] / h["blocks_per_s"] for h in timed) * 1e3,
            "median_blocks_per_s": statistics.median(h["blocks_per_s"] for h in timed),
