@@ -1798,6 +1798,8 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
     assert changed[1].all() and not changed[0].any() and not changed[2:].any()
     with pytest.raises(DFlashError, match="no blocks"):
         train.packed_forward(drafter, c, x[:0], sequence[:0], anchors[:0])
+    with pytest.raises(DFlashError, match="past the context"):
+        train.packed_forward(drafter, c, x, sequence, anchors + c.shape[1] - 5)    # the last ones past N
 
 
 @pytest.mark.gpu
@@ -1853,18 +1855,20 @@ BLOCK_MASK_PARTS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_k
                     "q_indices", "full_q_num_blocks", "full_q_indices"]
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 40), (False, 40), (True, 3), (False, 3)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 40), (False, 40), (True, 3), (False, 3),
+                                           (True, 1), (False, 1000)])
 def test_packed_block_mask_is_create_block_masks(causal, window):
     """packed_block_mask, built from each row's two intervals of visible keys, is the BlockMask that
     create_block_mask builds by evaluating the rule at every (row, key): every index tensor equal, for
     tiles of 128 (two sequences of 300 positions, 40 or 33 blocks of 16 in order, as training draws
-    them) and of 8, 32 and 4 (anchors in any order, blocks of 4 and 16: tiles smaller than a block see
-    the causal and window rule inside it), windows wider and narrower than a tile and than a block;
-    partly and wholly seen tiles both occur where they can."""
+    them) and of 8, 32 and 4 (anchors in any order, blocks of 4, 8 and 16, one sequence alone: tiles
+    smaller than a block see the causal and window rule inside it), windows from 1 to wider than the
+    keys; partly and wholly seen tiles both occur where they can."""
     from torch.nn.attention.flex_attention import create_block_mask
     g = torch.Generator().manual_seed(0)
     for Bt, B, N, P, tile, in_order in [(2, 16, 300, 40, 128, True), (2, 16, 300, 33, 128, True),
-                                         (3, 4, 61, 13, 8, False), (2, 16, 100, 7, 32, False), (2, 16, 70, 5, 4, False)]:
+                                         (3, 4, 61, 13, 8, False), (2, 16, 100, 7, 32, False), (2, 16, 70, 5, 4, False),
+                                         (1, 8, 64, 9, 32, True)]:
         anchors = torch.randint(0, N - B, (Bt, P), generator=g)                     # (Bt, P)
         anchors = anchors.sort(1).values if in_order else anchors
         anchors[-1, -2:] = 0                                                        # empty slots, as block_slots leaves them
@@ -1877,7 +1881,7 @@ def test_packed_block_mask_is_create_block_masks(causal, window):
             assert torch.equal(getattr(got, part), getattr(want, part)), (case, part)
         assert 0 < want.kv_num_blocks.sum() and 5 < want.sparsity(), case
         if tile == 128:   # wholly seen tiles need a window of at least a tile
-            assert (want.full_kv_num_blocks.sum() > 0) == (window is None), case
+            assert (want.full_kv_num_blocks.sum() > 0) == (window is None or window > tile), case
 
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 5)])

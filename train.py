@@ -658,6 +658,8 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     (M, B, H)."""
     (M, B, H), (Bt, N), device = x.shape, c.shape[:2], c.device
     dflash.require(M > 0, "packed_forward: no blocks to draft (M = 0)")
+    dflash.require(int(anchors.max()) < N, f"packed_forward: an anchor at {int(anchors.max())}, past the "
+                   f"context's {N} positions")
     slots, P = block_slots(sequence, Bt)                                              # (M,) on the host
     block_anchors = torch.zeros(Bt * P, dtype=torch.long).index_copy(0, slots, anchors).view(Bt, P)   # (Bt, P)
     block_anchors, slots = to_device(block_anchors, device), to_device(slots, device)   # empty slots at anchor 0
@@ -866,6 +868,7 @@ def triton_head_chunk_grad(logits, labels, row_weights, block: int = HEAD_BLOCK,
     mostly from L2) and the gradient written once. On the H200, 0.651 ms a chunk of 8,192 × 49,152
     against 1.330 for head_chunk_grad compiled by inductor."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    labels, row_weights = labels.contiguous(), row_weights.contiguous()                # read at r, not r·stride
     (c, V), exact = logits.shape, torch.promote_types(logits.dtype, torch.float32)
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)          # (c, V)
     row_loss = torch.empty(c, dtype=exact, device=logits.device)                   # (c,)
@@ -896,7 +899,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     through the head CE_CHUNK at a time, and each chunk's gradient with respect to its rows,
     w · (softmax − onehot) @ W, is taken in the forward pass (W needs none); backward only scales it.
     Logits in the head's dtype, softmax in float32 (float64 for a float64 head), as lm_logits.
-    `chunk_grad` is head_chunk_grad, or the same function compiled. With teacher states t_r (M, H),
+    `chunk_grad` is head_chunk_grad or what head_loss_chunk returns. With teacher states t_r (M, H),
     the loss is logit distillation instead: Σ_r w_r · KL(softmax(t_r Wᵀ) ‖ softmax(h_r Wᵀ)), the
     teacher's logits made chunk by chunk too, and chunk_grad is soft_chunk_grad (or it compiled)."""
 
