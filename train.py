@@ -619,20 +619,19 @@ def packed_block_mask(block_anchors, block_size: int, N: int, causal: bool, wind
     R, S = P * B, N + P * B
     w = S if window is None else window                                                # unbounded: wider than the keys
     o = torch.arange(B, device=device)                                                 # (B,) a row's place in its block
+    by_row = lambda t: t.expand(Bt, P, B).reshape(Bt, R, 1)                            # -> (Bt, R, 1)
     anchor = block_anchors[..., None]                                                  # (Bt, P, 1)
-    context = ((anchor + o - w + 1).clamp(min=0), anchor.expand(Bt, P, B))             # [lo, hi), (Bt, P, B) each
+    context = by_row((anchor + o - w + 1).clamp(min=0)), by_row(anchor)                # [lo, hi), (Bt, R, 1) each
     first = N + B * torch.arange(P, device=device)[:, None]                           # (P, 1) each block's first key
     last = torch.minimum(o + 1, o + w) if causal else torch.clamp(o + w, max=B)        # (B,) own rows j < last
-    own = (first + (o - w + 1).clamp(min=0), first + last)                            # [lo, hi), (P, B) each
+    own = by_row(first + (o - w + 1).clamp(min=0)), by_row(first + last)              # [lo, hi), (Bt, R, 1) each
     tiles = torch.arange(0, S, tile, device=device)                                   # (Kt,) each key tile's first key
     ends = tiles + tile
 
     def seen(lo, hi):   # rows' intervals -> (Bt, R, Kt): the interval meets the tile
-        lo, hi = lo.expand(Bt, P, B).reshape(Bt, R, 1), hi.expand(Bt, P, B).reshape(Bt, R, 1)
         return (lo < hi) & (lo < ends) & (hi > tiles)
 
     def covered(lo, hi):   # -> (Bt, R, Kt): the interval holds the whole tile (so never one past the keys' end)
-        lo, hi = lo.expand(Bt, P, B).reshape(Bt, R, 1), hi.expand(Bt, P, B).reshape(Bt, R, 1)
         return (lo <= tiles) & (hi >= ends)
 
     rows_pad = -R % tile                                                               # padding rows see nothing
