@@ -106,8 +106,11 @@ def gate(logits, o):
     return o * F.softplus(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(o.dtype)[..., None]
 
 
-# flex attention fused by Triton; called from a compiled drafter it is traced into that graph instead
-compiled_flex_attention = torch.compile(flex_attention)
+@functools.cache
+def compiled_flex_attention():
+    """flex attention fused by Triton, compiled on first use (torch.compile at import would cost every
+    import of this file a second or two)."""
+    return torch.compile(flex_attention)
 
 
 def attend(q, keys, values, mask):
@@ -116,7 +119,9 @@ def attend(q, keys, values, mask):
     for all; or a flex attention BlockMask of the same rule (training's packed forward on CUDA), under
     which masked tiles are skipped and the K/V heads are shared in the kernel."""
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention(q, keys, values, block_mask=mask, enable_gqa=True)
+        # a compiled drafter traces flex attention into its own graph; eager calls take the compiled one
+        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+        return flex(q, keys, values, block_mask=mask, enable_gqa=True)
     # Each K/V head repeated for its query heads. SDPA's own enable_gqa runs only its math kernel under a
     # mask, which on CUDA upcasts to fp32 and writes out the scores; repeated, a masked call can take
     # memory-efficient attention

@@ -1842,6 +1842,39 @@ def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
         torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["zlab-new", "laguna"])
+def test_packed_forward_through_flex_attention_on_cpu(tiny, tmp_path, fmt):
+    """dflash.attend's BlockMask branch on CPU, forward only (flex attention has no CPU backward): the
+    packed forward with its sparse mask forced gives the dense path's rows within float32 rounding, both
+    eagerly (the lazily compiled flex attention) and from a drafter dynamo traces (flex attention
+    traced into its graph; aot_eager, since inductor's CPU flex template does not build for dynamic
+    shapes here). The same two formats and shapes as the CUDA test."""
+    from torch.nn.attention.flex_attention import BlockMask
+    g = torch.Generator().manual_seed(0)
+    B, N, path = 16, 300, write_drafter(tmp_path / fmt, fmt, block_size=16, window=40, head_dim=16)
+    sequence = torch.tensor([0] * 20 + [1] * 9 + [0] * 4)                          # (M,) in three runs
+    anchors = torch.cat([torch.randperm(N - B, generator=g)[:24], torch.randperm(N - B, generator=g)[:9]])
+    c = torch.randn(2, N, H, generator=g)                                           # (Bt, N, H)
+    x = torch.randn(len(anchors), B, H, generator=g)                                # (M, B, H)
+    target = dflash.load_target(str(tiny[0]), torch.float32, "cpu")
+    packed_mask, kinds = train.packed_mask, []
+    def sparse_mask(*args):   # the BlockMask, whatever the device
+        mask = packed_mask(*args[:-1], True)
+        kinds.append(type(mask))
+        return mask
+    runs = {}
+    for mode in ("dense", "flex", "flex traced"):
+        drafter = dflash.load_drafter(str(path), target, torch.float32, "cpu").requires_grad_(False)
+        if mode == "flex traced":
+            torch._dynamo.reset()
+            drafter.compile(dynamic=True, backend="aot_eager")
+        with torch.no_grad(), mock.patch.object(train, "packed_mask", packed_mask if mode == "dense" else sparse_mask):
+            runs[mode] = train.packed_forward(drafter, c, x, sequence, anchors)     # (M, B, H)
+    assert kinds and all(kind is BlockMask for kind in kinds)
+    for mode in ("flex", "flex traced"):
+        torch.testing.assert_close(runs[mode], runs["dense"], rtol=1e-5, atol=1e-5)
+
+
 def test_block_slots_keep_each_sequence_in_order():
     """Each sequence's blocks take its slots b·P, b·P+1, ... in the order they come, whatever runs
     they come in; P is the most blocks a sequence has."""
