@@ -1802,6 +1802,21 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
         train.packed_forward(drafter, c, x, sequence, anchors + c.shape[1] - 5)    # the last ones past N
 
 
+def flex_attention_case(tmp_path, fmt):
+    """The flex attention tests' case: a drafter of head dim 16 (bidirectional, causal and sliding layers,
+    a window of 40), two sequences of 300 positions with 24 and 9 blocks of 16 in three runs (384 query
+    rows a sequence, three tiles), float64 contexts, block embeddings and an output gradient."""
+    g = torch.Generator().manual_seed(0)
+    B, N, path = 16, 300, write_drafter(tmp_path / fmt, fmt, block_size=16, window=40, head_dim=16)
+    sequence = torch.tensor([0] * 20 + [1] * 9 + [0] * 4)                          # (M,) in three runs
+    anchors = torch.cat([torch.randperm(N - B, generator=g)[:24], torch.randperm(N - B, generator=g)[:9]])
+    anchors = anchors[torch.tensor(list(range(20)) + list(range(24, 33)) + list(range(20, 24)))]   # (M,)
+    c = torch.randn(2, N, H, dtype=torch.float64, generator=g)                     # (Bt, N, H)
+    x = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)          # (M, B, H)
+    grad_out = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)   # (M, B, H)
+    return path, sequence, anchors, c, x, grad_out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["zlab-new", "laguna"])
@@ -1811,15 +1826,8 @@ def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
     --compile compiles it. Its rows, and the gradients of the layers' weights, the context and the
     block embeddings, equal the dense path's on CPU in float64 within fp32 rounding (1e-4): two
     sequences of 300 positions, 24 and 9 blocks of 16 (384 query rows a sequence, three tiles),
-    bidirectional, causal and sliding (a window of 40) layers."""
-    g = torch.Generator().manual_seed(0)
-    B, N, path = 16, 300, write_drafter(tmp_path / fmt, fmt, block_size=16, window=40, head_dim=16)
-    sequence = torch.tensor([0] * 20 + [1] * 9 + [0] * 4)                          # (M,) in three runs
-    anchors = torch.cat([torch.randperm(N - B, generator=g)[:24], torch.randperm(N - B, generator=g)[:9]])
-    anchors = anchors[torch.tensor(list(range(20)) + list(range(24, 33)) + list(range(20, 24)))]   # (M,)
-    c = torch.randn(2, N, H, dtype=torch.float64, generator=g)                     # (Bt, N, H)
-    x = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)          # (M, B, H)
-    grad_out = torch.randn(len(anchors), B, H, dtype=torch.float64, generator=g)   # (M, B, H)
+    bidirectional, causal and sliding (a window of 40) layers (flex_attention_case)."""
+    path, sequence, anchors, c, x, grad_out = flex_attention_case(tmp_path, fmt)
     runs, kinds = {}, []
     packed_mask = train.packed_mask
     def recorded_mask(block_anchors, *rest):
@@ -1848,14 +1856,10 @@ def test_packed_forward_through_flex_attention_on_cpu(tiny, tmp_path, fmt):
     packed forward with its sparse mask forced gives the dense path's rows within float32 rounding, both
     eagerly (the lazily compiled flex attention) and from a drafter dynamo traces (flex attention
     traced into its graph; aot_eager, since inductor's CPU flex template does not build for dynamic
-    shapes here). The same two formats and shapes as the CUDA test."""
+    shapes here). The CUDA test's case (flex_attention_case), in float32."""
     from torch.nn.attention.flex_attention import BlockMask
-    g = torch.Generator().manual_seed(0)
-    B, N, path = 16, 300, write_drafter(tmp_path / fmt, fmt, block_size=16, window=40, head_dim=16)
-    sequence = torch.tensor([0] * 20 + [1] * 9 + [0] * 4)                          # (M,) in three runs
-    anchors = torch.cat([torch.randperm(N - B, generator=g)[:24], torch.randperm(N - B, generator=g)[:9]])
-    c = torch.randn(2, N, H, generator=g)                                           # (Bt, N, H)
-    x = torch.randn(len(anchors), B, H, generator=g)                                # (M, B, H)
+    path, sequence, anchors, c, x, _ = flex_attention_case(tmp_path, fmt)
+    c, x = c.float(), x.float()                                                     # (Bt, N, H), (M, B, H)
     target = dflash.load_target(str(tiny[0]), torch.float32, "cpu")
     packed_mask, kinds = train.packed_mask, []
     def sparse_mask(*args):   # the BlockMask, whatever the device
