@@ -877,14 +877,20 @@ def triton_head_chunk_grad(logits, labels, row_weights, block: int = HEAD_BLOCK,
     return row_loss.sum(), grad
 
 
+# Training's torch.compile settings. Inductor's FX graph cache (and with it AOTAutograd's) is off: on
+# the H200 (torch 2.11) a process that found the drafter's graphs in the cache stepped 3-4x slower
+# than the process that compiled them (222 against 54 ms a step, the same losses; off: 55-57 ms).
+COMPILE = {"dynamic": True, "options": {"fx_graph_cache": False}}
+
+
 def head_loss_chunk(compiled: bool, soft: bool = False):
     """The chunk function FrozenHeadCrossEntropy runs. Cross-entropy: on CUDA (below float64) one
     Triton kernel, triton_head_chunk_grad; elsewhere head_chunk_grad, for `train --compile` compiled
     (inductor, dynamic rows: one compile serves every chunk length). Logit distillation:
     soft_chunk_grad, compiled the same way for --compile."""
     if soft:
-        return torch.compile(soft_chunk_grad, dynamic=True) if compiled else soft_chunk_grad
-    twin = torch.compile(head_chunk_grad, dynamic=True) if compiled else head_chunk_grad
+        return torch.compile(soft_chunk_grad, **COMPILE) if compiled else soft_chunk_grad
+    twin = torch.compile(head_chunk_grad, **COMPILE) if compiled else head_chunk_grad
 
     def chunk_grad(logits, labels, row_weights):
         if logits.is_cuda and triton is not None and logits.dtype != torch.float64:
@@ -1148,7 +1154,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     target.requires_grad_(False)
     drafter.train().requires_grad_(True)
     if cfg.compile:   # in place: the module, its parameters and their names stay the checkpoint's
-        drafter.compile(dynamic=True)
+        drafter.compile(**COMPILE)
     chunk_grad = head_loss_chunk(cfg.compile, cfg.soft_labels)   # compiled: fused passes over each chunk's logits
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
     steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)
