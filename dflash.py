@@ -23,6 +23,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import huggingface_hub
 import safetensors.torch
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import offline
@@ -113,21 +114,52 @@ def compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
+class PackedMask(NamedTuple):
+    """Training's packed forward on CUDA: W query rows in blocks of B, over keys [S − W context keys | the
+    W rows themselves]. Each row sees context keys by `context`, a flex attention BlockMask over the
+    context alone (its unseen tiles skipped), and the rows of its own block by `own` (B, B) bool, the
+    same for every block: the layer's causal/window rule within a block."""
+    context: BlockMask
+    own: torch.Tensor
+
+
 def attend(q, keys, values, mask):
     """Scaled dot-product attention of queries q (..., h, W, d) over keys, values (..., hk, S, d), each K/V
     head serving h/hk query heads -> (..., h, W, d). mask: (..., W, S) bool, the keys each row sees, or None
-    for all; or a flex attention BlockMask of the same rule (training's packed forward on CUDA), under
-    which masked tiles are skipped and the K/V heads are shared in the kernel."""
-    if isinstance(mask, BlockMask):
-        # a compiled drafter traces flex attention into its own graph; eager calls take the compiled one
-        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
-        return flex(q, keys, values, block_mask=mask, enable_gqa=True)
+    for all; or a PackedMask of the same rule (training's packed forward on CUDA)."""
+    if isinstance(mask, PackedMask):
+        return attend_packed(q, keys, values, mask)
     # Each K/V head repeated for its query heads. SDPA's own enable_gqa runs only its math kernel under a
     # mask, which on CUDA upcasts to fp32 and writes out the scores; repeated, a masked call can take
     # memory-efficient attention
     g = q.shape[-3] // keys.shape[-3]
     keys, values = keys.repeat_interleave(g, -3), values.repeat_interleave(g, -3)      # (..., h, S, d)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def attend_packed(q, keys, values, mask: PackedMask):
+    """attend under a PackedMask, in two parts joined by their log-sum-exps: the context through flex
+    attention (only the tiles some row sees, the K/V heads shared in the kernel) and each block's own rows
+    as small dense products. Apart, the own rows cost no flex tiles: together, each 128-row tile's 8
+    blocks made one or two tiles of their rows 1/8 seen, and each partly seen tile applies the rule."""
+    (h, W, d), hk, B = q.shape[-3:], keys.shape[-3], mask.own.shape[0]
+    N = keys.shape[-2] - W
+    # a compiled drafter traces flex attention into its own graph; eager calls on CUDA take the compiled
+    # one (inductor's CPU flex attention returns no log-sum-exp: elsewhere the unfused one)
+    flex = compiled_flex_attention() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
+    out_context, aux = flex(q, keys[..., :N, :], values[..., :N, :], block_mask=mask.context, enable_gqa=True,
+                            return_aux=AuxRequest(lse=True))                           # (..., h, W, d), lse (..., h, W)
+    qb = q.unflatten(-3, (hk, h // hk)).unflatten(-2, (W // B, B))                     # (..., hk, g, W/B, B, d)
+    kb, vb = (t[..., N:, :].unflatten(-2, (W // B, B)).unsqueeze(-4) for t in (keys, values))   # (..., hk, 1, W/B, B, d)
+    exact = aux.lse.dtype                                                              # ≥ fp32, as flex attention's scores
+    scores = qb.to(exact) @ kb.to(exact).transpose(-1, -2) * d ** -0.5               # (..., hk, g, W/B, B, B)
+    scores = scores.masked_fill(~mask.own, float("-inf"))
+    lse_own = scores.logsumexp(-1)                                                     # (..., hk, g, W/B, B)
+    out_own = (scores - lse_own[..., None]).exp().to(vb.dtype) @ vb                    # (..., hk, g, W/B, B, d)
+    out_own, lse_own = out_own.flatten(-3, -2).flatten(-4, -3), lse_own.flatten(-2).flatten(-3, -2)   # (..., h, W, d|)
+    lse = torch.logaddexp(aux.lse, lse_own)                                            # (..., h, W): a row sees itself
+    out = out_context * (aux.lse - lse).exp()[..., None] + out_own * (lse_own - lse).exp()[..., None]
+    return out.to(q.dtype)
 
 
 class DraftAttention(nn.Module):

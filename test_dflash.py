@@ -1821,8 +1821,9 @@ def flex_attention_case(tmp_path, fmt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["zlab-new", "laguna"])
 def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
-    """On CUDA the packed forward attends through flex attention over a BlockMask (tiles of 128, the
-    masked ones skipped; its kernels want a head dim of 16 or more), the drafter compiled as train
+    """On CUDA the packed forward attends through a PackedMask: flex attention over the context's BlockMask
+    (tiles of 128, the masked ones skipped; its kernels want a head dim of 16 or more) and dense products
+    within each block, joined by their log-sum-exps, the drafter compiled as train
     --compile compiles it. Its rows, and the gradients of the layers' weights, the context and the
     block embeddings, equal the dense path's on CPU in float64 within fp32 rounding (1e-4): two
     sequences of 300 positions, 24 and 9 blocks of 16 (384 query rows a sequence, three tiles),
@@ -1852,17 +1853,16 @@ def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", ["zlab-new", "laguna"])
 def test_packed_forward_through_flex_attention_on_cpu(tiny, tmp_path, fmt):
-    """dflash.attend's BlockMask branch on CPU, forward only (flex attention has no CPU backward): the
+    """dflash.attend's PackedMask branch on CPU, forward only (flex attention has no CPU backward): the
     packed forward with its sparse mask forced gives the dense path's rows within float32 rounding, both
-    eagerly (the lazily compiled flex attention) and from a drafter dynamo traces (flex attention
-    traced into its graph; aot_eager, since inductor's CPU flex template does not build for dynamic
-    shapes here). The CUDA test's case (flex_attention_case), in float32."""
-    from torch.nn.attention.flex_attention import BlockMask
+    eagerly (flex attention unfused, as off CUDA) and from a drafter dynamo traces (flex attention
+    traced into its graph; aot_eager, since inductor's CPU flex template returns no log-sum-exp). The
+    CUDA test's case (flex_attention_case), in float32."""
     path, sequence, anchors, c, x, _ = flex_attention_case(tmp_path, fmt)
     c, x = c.float(), x.float()                                                     # (Bt, N, H), (M, B, H)
     target = dflash.load_target(str(tiny[0]), torch.float32, "cpu")
     packed_mask, kinds = train.packed_mask, []
-    def sparse_mask(*args):   # the BlockMask, whatever the device
+    def sparse_mask(*args):   # the PackedMask, whatever the device
         mask = packed_mask(*args[:-1], True)
         kinds.append(type(mask))
         return mask
@@ -1874,7 +1874,7 @@ def test_packed_forward_through_flex_attention_on_cpu(tiny, tmp_path, fmt):
             drafter.compile(dynamic=True, backend="aot_eager")
         with torch.no_grad(), mock.patch.object(train, "packed_mask", packed_mask if mode == "dense" else sparse_mask):
             runs[mode] = train.packed_forward(drafter, c, x, sequence, anchors)     # (M, B, H)
-    assert kinds and all(kind is BlockMask for kind in kinds)
+    assert kinds and all(kind is dflash.PackedMask for kind in kinds)
     for mode in ("flex", "flex traced"):
         torch.testing.assert_close(runs[mode], runs["dense"], rtol=1e-5, atol=1e-5)
 
@@ -1895,8 +1895,8 @@ BLOCK_MASK_PARTS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_k
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 40), (False, 40), (True, 3), (False, 3),
                                            (True, 1), (False, 1000)])
 def test_packed_block_mask_is_create_block_masks(causal, window):
-    """packed_block_mask, built from each row's two intervals of visible keys, is the BlockMask that
-    create_block_mask builds by evaluating the rule at every (row, key): every index tensor equal, for
+    """packed_block_mask, built from the interval of context keys each row sees, is the BlockMask that
+    create_block_mask builds by evaluating the rule at every (row, context key): every index tensor equal, for
     tiles of 128 (two sequences of 300 positions, 40 or 33 blocks of 16 in order, as training draws
     them) and of 8, 32 and 4 (anchors in any order, blocks of 4, 8 and 16, one sequence alone: tiles
     smaller than a block see the causal and window rule inside it), windows from 1 to wider than the
@@ -1911,38 +1911,42 @@ def test_packed_block_mask_is_create_block_masks(causal, window):
         anchors[-1, -2:] = 0                                                        # empty slots, as block_slots leaves them
         rule = train.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
         got = train.packed_block_mask(anchors, B, N, causal, window, rule, tile=tile)
-        want = create_block_mask(rule, Bt, None, P * B, N + P * B, device="cpu", BLOCK_SIZE=tile)
+        want = create_block_mask(rule, Bt, None, P * B, N, device="cpu", BLOCK_SIZE=tile)   # the context's keys
         case = (Bt, B, N, P, tile)
         assert got.BLOCK_SIZE == want.BLOCK_SIZE and got.seq_lengths == want.seq_lengths, case
         for part in BLOCK_MASK_PARTS:
             assert torch.equal(getattr(got, part), getattr(want, part)), (case, part)
-        assert 0 < want.kv_num_blocks.sum() and 5 < want.sparsity(), case
+        assert (0 < want.kv_num_blocks.sum()) == (window != 1) and 5 < want.sparsity(), case   # window 1: itself only
         if tile == 128:   # wholly seen tiles need a window of at least a tile
             assert (want.full_kv_num_blocks.sum() > 0) == (window is None or window > tile), case
 
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 5)])
 def test_block_mask_attention_equals_the_dense_mask(causal, window):
-    """The packed rule's BlockMask (packed_block_mask; tiles of 8 here, 128 on CUDA) gives the same
-    attention as the dense mask SDPA gets from the rule, GQA included (float64, CPU, flex attention
-    unfused); whole tiles are skipped, and each row sees exactly: the context before its anchor,
-    its own block's rows, under the layer's causal/window rule."""
-    from torch.nn.attention.flex_attention import flex_attention
+    """The packed rule's PackedMask (the context's BlockMask from packed_block_mask, tiles of 8 here, 128
+    on CUDA; the rule within a block) gives the same attention as the dense mask SDPA gets from the
+    rule, GQA included (float64, CPU, flex attention unfused), rows that see no context key included;
+    whole tiles are skipped, and each row sees exactly: the context before its anchor, its own block's
+    rows, under the layer's causal/window rule."""
     g = torch.Generator().manual_seed(0)
     Bt, P, B, N, h, hk, d = 2, 12, 4, 60, 4, 2, 8
     anchors = torch.randint(0, N - B, (Bt, P), generator=g)                         # (Bt, P)
+    anchors[0, :2] = 0                                                              # no context key seen
     rule = train.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
     dense = train.packed_mask(anchors, B, N, causal, window, False)                 # (Bt, 1, P·B, N+P·B)
     q = torch.randn(Bt, h, P * B, d, dtype=torch.float64, generator=g)
     keys, values = (torch.randn(Bt, hk, N + P * B, d, dtype=torch.float64, generator=g) for _ in range(2))
-    block_mask = train.packed_block_mask(anchors, B, N, causal, window, rule, tile=8)
-    assert block_mask.sparsity() > 40   # percent of tiles skipped
+    packed = train.packed_mask(anchors, B, N, causal, window, True)
+    packed = packed._replace(context=train.packed_block_mask(anchors, B, N, causal, window, rule, tile=8))
+    assert packed.context.sparsity() > 40   # percent of tiles skipped
     # unfused flex attention applies the rule itself, so the tiles are checked on their own: a tile is
-    # listed (partly or wholly seen) exactly where some row of it sees some key of it
-    seen = torch.nn.functional.pad(dense, (0, -(N + P * B) % 8, 0, -(P * B) % 8))    # (Bt, 1, 8·Rt, 8·Kt)
+    # listed (partly or wholly seen) exactly where some row of it sees some context key of it
+    seen = torch.nn.functional.pad(dense[..., :N], (0, -N % 8, 0, -(P * B) % 8))     # (Bt, 1, 8·Rt, 8·Kt)
     seen = seen.unflatten(-1, (-1, 8)).unflatten(2, (-1, 8)).any(-1).any(3)          # (Bt, 1, Rt, Kt)
-    assert torch.equal(block_mask.to_dense().bool(), seen)
-    got = flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=True)
+    assert torch.equal(packed.context.to_dense().bool(), seen)
+    own = dense[..., N:].unflatten(2, (P, B)).unflatten(-1, (P, B)).diagonal(0, 2, 4)   # (Bt, 1, B, B, P)
+    assert torch.equal(own, packed.own[..., None].expand_as(own))                   # every block's own rule
+    got = dflash.attend(q, keys, values, packed)
     torch.testing.assert_close(got, dflash.attend(q, keys, values, dense), rtol=1e-10, atol=1e-10)
     q_pos = anchors.repeat_interleave(B, 1) + torch.arange(P * B) % B               # (Bt, P·B)
     for b in range(Bt):
@@ -1953,6 +1957,43 @@ def test_block_mask_attention_equals_the_dense_mask(causal, window):
             want = [s and (not causal or q_pos[b, r] >= kp) and (window is None or abs(q_pos[b, r] - kp) < window)
                     for s, kp in zip(sees, k_pos)]
             assert dense[b, 0, r].tolist() == want
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, 5)])
+def test_packed_attention_gradients_equal_the_dense_masks(causal, window):
+    """The gradients through dflash.attend_packed's two parts and their join equal SDPA's over the dense
+    mask (float64, CPU), rows that see no context key included. Flex attention has no CPU backward, so
+    its part here is a dense twin that returns what it returns (rows, and a log-sum-exp of -inf where a
+    row sees nothing); on CUDA test_packed_forward_through_flex_attention_on_cuda runs the kernel."""
+    from torch.nn.attention.flex_attention import AuxOutput, create_mask
+
+    def dense_flex(q, keys, values, block_mask, enable_gqa, return_aux):
+        seen = create_mask(block_mask.mask_mod, q.shape[0], None, q.shape[-2], keys.shape[-2])   # (Bt, 1, W, N)
+        g = q.shape[-3] // keys.shape[-3]
+        scores = q @ keys.repeat_interleave(g, -3).transpose(-1, -2) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~seen, float("-inf"))                            # (Bt, h, W, N)
+        any_seen = seen.any(-1)                                                      # (Bt, 1, W)
+        lse = scores.masked_fill(~any_seen[..., None], 0).logsumexp(-1).masked_fill(~any_seen, float("-inf"))
+        weights = (scores - lse.masked_fill(~any_seen, 0)[..., None]).exp()          # 0 where unseen
+        return weights @ values.repeat_interleave(g, -3), AuxOutput(lse=lse)
+
+    g = torch.Generator().manual_seed(1)
+    Bt, P, B, N, h, hk, d = 2, 6, 4, 30, 4, 2, 8
+    anchors = torch.randint(0, N - B, (Bt, P), generator=g)                         # (Bt, P)
+    anchors[1, -2:] = 0                                                             # no context key seen
+    q = torch.randn(Bt, h, P * B, d, dtype=torch.float64, generator=g)
+    keys, values = (torch.randn(Bt, hk, N + P * B, d, dtype=torch.float64, generator=g) for _ in range(2))
+    grad_out = torch.randn(Bt, h, P * B, d, dtype=torch.float64, generator=g)
+    runs = {}
+    for sparse in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, keys, values)]
+        with mock.patch.object(dflash, "flex_attention", dense_flex):
+            out = dflash.attend(*leaves, train.packed_mask(anchors, B, N, causal, window, sparse))
+        out.backward(grad_out)
+        runs[sparse] = [out.detach()] + [t.grad for t in leaves]
+    for got, want in zip(runs[True], runs[False]):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_batched_capture_equals_one_sequence_at_a_time(tiny):

@@ -594,49 +594,41 @@ def packed_rule(block_anchors, block_size: int, N, causal: bool, window):
 
 def packed_mask(block_anchors, block_size: int, N: int, causal: bool, window: int | None, sparse: bool):
     """packed_rule's mask for block_anchors (Bt, P) over (Bt, P·B) query rows and (Bt, N + P·B) keys ->
-    if sparse, a flex attention BlockMask (packed_block_mask: its fully masked 128 × 128 tiles are
-    skipped, and its fully seen ones skip the rule); else the dense (Bt, 1, P·B, N + P·B) bool mask for
-    SDPA, the rule evaluated at every (row, key)."""
-    device = block_anchors.device
+    if sparse, a dflash.PackedMask: the context's flex attention BlockMask (packed_block_mask: its unseen
+    128 × 128 tiles are skipped, and its wholly seen ones skip the rule) and the (B, B) rule within a
+    block; else the dense (Bt, 1, P·B, N + P·B) bool mask for SDPA, the rule evaluated at every (row, key)."""
+    device, B = block_anchors.device, block_size
     window_t = None if window is None else to_device(torch.tensor(window), device)
-    rule = packed_rule(block_anchors, block_size, to_device(torch.tensor(N), device), causal, window_t)
+    rule = packed_rule(block_anchors, B, to_device(torch.tensor(N), device), causal, window_t)
     if sparse:
-        return packed_block_mask(block_anchors, block_size, N, causal, window, rule)
-    rows = block_anchors.shape[1] * block_size
+        o = torch.arange(B, device=device)                                             # (B,) a row's place in its block
+        own = dflash.visible_at(o[:, None] - o, causal, window)                        # (B, B) row o sees row j
+        return dflash.PackedMask(packed_block_mask(block_anchors, B, N, causal, window, rule), own)
+    rows = block_anchors.shape[1] * B
     return create_mask(rule, block_anchors.shape[0], None, rows, N + rows, device=device)
 
 
 def packed_block_mask(block_anchors, block_size: int, N: int, causal: bool, window: int | None, rule,
                       tile: int = 128) -> BlockMask:
-    """packed_rule's flex attention BlockMask, the one create_block_mask(rule, ...) builds with tiles of
-    `tile`, from what each row sees: the keys of two intervals, not the rule at every (row, key), which
-    on an H200 cost 4 ms a step compiled (one kernel over 32 × 2,048 × 2,816 pairs) and 1.7 GiB eager.
-    Row o of a block at anchor a (position a + o) sees the context [a + o − w + 1, a) and its own block's
-    rows j (keys N + p·B + j) with j ≤ o if causal and |o − j| < w, the window w (None: unbounded). A tile
-    is listed if some row sees some key of it, and as full if every row sees every key; the tiles past
-    the rows' and keys' ends are padding that nothing sees, as create_block_mask pads them."""
+    """packed_rule's flex attention BlockMask over the context's N keys, the one create_block_mask(rule,
+    ...) builds with tiles of `tile`, from the interval of keys each row sees there, not the rule at
+    every (row, key), which on an H200 cost 4 ms a step compiled (one kernel over 32 × 2,048 × 2,816
+    pairs) and 1.7 GiB eager. Row o of a block at anchor a (position a + o) sees the context
+    [a + o − w + 1, a), w the window (None: unbounded). A tile is listed if some row sees some key of
+    it, and as full if every row sees every key; the tiles past the rows' and keys' ends are padding
+    that nothing sees, as create_block_mask pads them."""
     (Bt, P), B, device = block_anchors.shape, block_size, block_anchors.device
-    R, S = P * B, N + P * B
-    w = S if window is None else window                                                # unbounded: wider than the keys
+    R = P * B
+    w = N + B if window is None else window                                            # unbounded: wider than the keys
     o = torch.arange(B, device=device)                                                 # (B,) a row's place in its block
-    by_row = lambda t: t.expand(Bt, P, B).reshape(Bt, R, 1)                            # -> (Bt, R, 1)
     anchor = block_anchors[..., None]                                                  # (Bt, P, 1)
-    context = by_row((anchor + o - w + 1).clamp(min=0)), by_row(anchor)                # [lo, hi), (Bt, R, 1) each
-    first = N + B * torch.arange(P, device=device)[:, None]                           # (P, 1) each block's first key
-    last = torch.minimum(o + 1, o + w) if causal else torch.clamp(o + w, max=B)        # (B,) own rows j < last
-    own = by_row(first + (o - w + 1).clamp(min=0)), by_row(first + last)              # [lo, hi), (Bt, R, 1) each
-    tiles = torch.arange(0, S, tile, device=device)                                   # (Kt,) each key tile's first key
+    lo = (anchor + o - w + 1).clamp(min=0).reshape(Bt, R, 1)                           # (Bt, R, 1) context [lo, hi)
+    hi = anchor.expand(Bt, P, B).reshape(Bt, R, 1)                                     # (Bt, R, 1)
+    tiles = torch.arange(0, N, tile, device=device)                                   # (Kt,) each key tile's first key
     ends = tiles + tile
-
-    def seen(lo, hi):   # rows' intervals -> (Bt, R, Kt): the interval meets the tile
-        return (lo < hi) & (lo < ends) & (hi > tiles)
-
-    def covered(lo, hi):   # -> (Bt, R, Kt): the interval holds the whole tile (so never one past the keys' end)
-        return (lo <= tiles) & (hi >= ends)
-
     rows_pad = -R % tile                                                               # padding rows see nothing
-    some = F.pad(seen(*context) | seen(*own), (0, 0, 0, rows_pad))                     # (Bt, Qt·tile, Kt)
-    every = F.pad(covered(*context) | covered(*own), (0, 0, 0, rows_pad))
+    some = F.pad((lo < hi) & (lo < ends) & (hi > tiles), (0, 0, 0, rows_pad))         # (Bt, Qt·tile, Kt) meets the tile
+    every = F.pad((lo <= tiles) & (hi >= ends), (0, 0, 0, rows_pad))                   # holds it (never one past the end)
     some, every = some.unflatten(1, (-1, tile)).any(2), every.unflatten(1, (-1, tile)).all(2)   # (Bt, Qt, Kt)
 
     def ordered(tiles_listed):   # (Bt, Qt, Kt) -> per row tile: how many, and their key tiles first
@@ -644,7 +636,7 @@ def packed_block_mask(block_anchors, block_size: int, N: int, causal: bool, wind
         return (listed.sum(-1, dtype=torch.int32),
                 torch.argsort(listed, dim=-1, descending=True, stable=True).to(torch.int32))
     return BlockMask.from_kv_blocks(*ordered(some & ~every), *ordered(every), BLOCK_SIZE=tile, mask_mod=rule,
-                                    seq_lengths=(R, S))
+                                    seq_lengths=(R, N))
 
 
 def packed_forward(drafter: Drafter, c, x, sequence, anchors):
