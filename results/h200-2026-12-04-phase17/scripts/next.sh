@@ -7,10 +7,12 @@
 # 1. GPU tests: the packed attention in two parts (dflash.attend_packed: flex attention over the context,
 #    dense products within each block, joined by log-sum-exps; forward and gradients against the CPU's
 #    float64), compiled training, the loss kernel.
-# 2. train.train's loop (batch_sweep.py, 32 sequences): this code; 1ab4896's (one flex call over context
+# 2. attention_probe.py: one layer's attention, one flex call against two parts, static and dynamic shapes.
+# 3. train.train's loop (batch_sweep.py, 32 sequences): this code; 1ab4896's (one flex call over context
 #    and rows) with the FX graph cache off, so the two differ only in the attention; this code again.
-# 3. cache_probe.py with 1ab4896's code twice (a cache miss, then a hit), the kernels of both profiled.
 # 4. this code with --pad-positions 128.
+# 5. cache_probe.py with 1ab4896's code twice (a cache miss, then a hit), the kernels of both profiled.
+# Parts 3-5 are skipped as the 600 s a call may run come near.
 # Everything but the test log and this call's summary goes into one tar (a call returns at most 8 files).
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 D=results/h200-2026-12-04-phase17/scripts; SWEEP=$D/batch_sweep.py
@@ -19,6 +21,8 @@ quiet() { grep -Ev "^W[0-9]{4} |^\s*$" | grep -iv "warn\|online softmax\|split t
 timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -k "flex_attention_on_cuda or compiled_training_follows_eager_on_cuda \
   or compiled_head_chunk_on_cuda or head_kernel_on_cuda" test_dflash.py > $OUT/gpu-tests.log 2>&1
 echo "gpu tests: rc $? at $(el)s"; grep -E "passed|failed|^FAILED|^ERROR" $OUT/gpu-tests.log | cut -c1-300 | tail -n 8
+timeout 150 python3 $D/attention_probe.py $W/attention-probe.json 2>&1 | quiet > $W/attention-probe.log
+echo "attention probe at $(el)s:"; tail -n 5 $W/attention-probe.log
 sweep() {   # name, env..., then -- and batch_sweep's extra arguments
   local name=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   env "${envs[@]}" timeout 110 python3 $SWEEP $W/$name.json 32 "$@" 2>&1 | quiet > $W/$name.log
@@ -26,10 +30,12 @@ sweep() {   # name, env..., then -- and batch_sweep's extra arguments
 }
 sweep new-1 X=1 --
 sweep old-nocache PROBE_PATH=$D/old TORCHINDUCTOR_FX_GRAPH_CACHE=0 --
-sweep new-2 X=1 --
+pack() { tar -C $OUT -cf $OUT/work.tar work; }   # after each part: what is done comes back if time runs out
+pack; [ $(el) -lt 470 ] && sweep new-2 X=1 --
+pack; [ $(el) -lt 470 ] && sweep new-pad128 X=1 -- --pad-positions 128
 for run in 1-miss 2-hit; do
-  PROBE_PATH=$D/old timeout 110 python3 $D/cache_probe.py $W/old-$run 2>&1 | quiet > $W/old-$run.log
+  pack; [ $(el) -lt 500 ] || break
+  PROBE_PATH=$D/old timeout 90 python3 $D/cache_probe.py $W/old-$run 2>&1 | quiet > $W/old-$run.log
   echo "[old $run at $(el)s] $(tail -n 1 $W/old-$run.log)"
 done
-sweep new-pad128 X=1 -- --pad-positions 128
-tar -C $OUT -cf $OUT/work.tar work && rm -rf $W
+pack && rm -rf $W
