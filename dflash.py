@@ -150,8 +150,8 @@ def attend_packed(q, keys, values, mask: PackedMask):
     out_context, aux = flex(q, keys[..., :N, :], values[..., :N, :], block_mask=mask.context, enable_gqa=True,
                             return_aux=AuxRequest(lse=True))                           # (..., h, W, d), lse (..., h, W)
     qb = q.unflatten(-3, (hk, h // hk)).unflatten(-2, (W // B, B))                     # (..., hk, g, W/B, B, d)
-    kb, vb = (t[..., N:, :].unflatten(-2, (W // B, B)).unsqueeze(-4) for t in (keys, values))   # (..., hk, 1, W/B, B, d)
-    exact = aux.lse.dtype                                                              # ≥ fp32, as flex attention's scores
+    kb, vb = (t[..., N:, :].unflatten(-2, (W // B, B)).unsqueeze(-4) for t in (keys, values))  # (..., hk, 1, W/B, B, d)
+    exact = aux.lse.dtype                                                              # ≥ fp32, as flex's scores
     scores = qb.to(exact) @ kb.to(exact).transpose(-1, -2) * d ** -0.5               # (..., hk, g, W/B, B, B)
     scores = scores.masked_fill(~mask.own, float("-inf"))
     lse_own = scores.logsumexp(-1)                                                     # (..., hk, g, W/B, B)
@@ -248,9 +248,11 @@ class Drafter(nn.Module):
         """A rope_table at positions (..., N) for each RoPE base the layers use."""
         return {t: rope_table(positions, t, self.config.head_dim, dtype) for t in set(self.config.rope_thetas)}
 
-    def forward(self, x, positions, context, masks):
-        """Block embeddings x (..., W, H) at positions (..., W), each layer's context and mask -> (..., W, H)."""
-        tables = self.rope_tables(positions, x.dtype)
+    def forward(self, x, tables, context, masks):
+        """Block embeddings x (..., W, H) with the rope_tables of their positions, each layer's context and
+        mask -> (..., W, H). The caller makes the tables: made inside a compiled forward, inductor would
+        recompute their float64 cos, sin and pow in every kernel that reads them, for every element of
+        q and k, forward and backward (half the drafter's elementwise time in training)."""
         for layer, layer_context, mask in zip(self.layers, context, masks):
             x = layer(x, tables, layer_context, mask)
         return self.norm(x)
@@ -334,7 +336,8 @@ def draft_block(drafter: Drafter, ctx: DraftContext, block_embeds):
     key_positions = torch.arange(ctx.length + len(block_embeds), device=block_embeds.device)   # (S+W,)
     positions = key_positions[ctx.length:]                                              # (W,)
     masks = [attention_mask(positions, key_positions, layer.causal, layer.window) for layer in drafter.layers]
-    return drafter(block_embeds, positions, list(zip(ctx.keys, ctx.values)), masks)
+    tables = drafter.rope_tables(positions, block_embeds.dtype)
+    return drafter(block_embeds, tables, list(zip(ctx.keys, ctx.values)), masks)
 
 
 def propose(drafter: Drafter, ctx: DraftContext, block, target, count: int):
