@@ -1568,6 +1568,28 @@ def test_fastpath_parts_compiled_by_inductor_follow_eager(targets32, drafters, s
             assert torch.allclose(a.double(), b.double(), atol=1e-5, rtol=0), (a - b).abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["zlab", "zlab-new"])   # full layers only; a sliding and a full one
+def test_fastpath_parts_compiled_by_inductor_follow_eager_on_cuda(checkpoints, tmp_path, fmt):
+    """On CUDA in fp32, through the Triton kernels: the draft and verify parts compiled by inductor as
+    capture_graphs compiles them advance the buffers as the eager parts do over three steps, the drafts
+    exactly. The graph tests compare tokens and acceptance, which a random drafter's rejected drafts
+    do not show: a draft part whose block rows saw too few slots passed them (the draft part's visible
+    range stored with `fastpath.stored`, whose view's storage offset torch 2.11's inductor drops)."""
+    target = dflash.load_target(str(checkpoints["llama"]), torch.float32, "cuda")
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", fmt, block_size=16, num_layers=2)), target,
+                                  torch.float32, "cuda")
+    with closing(fastpath.Decoder(target, drafter, 64, 15)) as eager, closing(fastpath.Decoder(target, drafter, 64, 15)) as traced:
+        torch._dynamo.reset()
+        compiled = [torch.compile(part, fullgraph=True, dynamic=False) for part in traced.parts().values()]
+        for dec, parts in ((eager, list(eager.parts().values())), (traced, compiled)):
+            run_parts(dec, parts, 3)
+        assert torch.equal(traced.buf.verify_ids, eager.buf.verify_ids)
+        for a, b in zip(traced.buf.tensors(), eager.buf.tensors()):
+            assert torch.allclose(a.double(), b.double(), atol=1e-4, rtol=0), (a - b).abs().max()
+
+
 torch.library.define("dflash_test::read_slots", "(Tensor slots, Tensor(a!) keys) -> Tensor")
 
 
