@@ -18,7 +18,7 @@ T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 D=results/h200-2026-12-04-phase17/scripts; SWEEP=$D/batch_sweep.py
 W=$OUT/work; mkdir -p $W
 quiet() { grep -Ev "^W[0-9]{4} |^\s*$" | grep -iv "warn\|online softmax\|split the reduction\|important use case\|softmax\.$"; }
-timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -k "flex_attention_on_cuda or compiled_training_follows_eager_on_cuda \
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -k "flex_attention_on_cuda or compiled_training_follows_eager_on_cuda \
   or compiled_head_chunk_on_cuda or head_kernel_on_cuda or compiled_by_inductor_follow_eager_on_cuda" test_dflash.py > $OUT/gpu-tests.log 2>&1
 echo "gpu tests: rc $? at $(el)s"; grep -E "passed|failed|^FAILED|^ERROR" $OUT/gpu-tests.log | cut -c1-300 | tail -n 8
 timeout 150 python3 $D/attention_probe.py $W/attention-probe.json 2>&1 | quiet > $W/attention-probe.log
