@@ -10,9 +10,8 @@
 # 2. attention_probe.py: one layer's attention, one flex call against two parts, static and dynamic shapes.
 # 3. train.train's loop (batch_sweep.py, 32 sequences): this code; 1ab4896's (one flex call over context
 #    and rows) with the FX graph cache off, so the two differ only in the attention; this code again.
-# 4. this code with --pad-positions 128.
-# 5. cache_probe.py with 1ab4896's code twice (a cache miss, then a hit), the kernels of both profiled.
-# Parts 3-5 are skipped as the 600 s a call may run come near.
+# 4. cache_probe.py with 1ab4896's code twice (a cache miss, then a hit), the kernels of both profiled.
+# Parts 3-4 are skipped as the 600 s a call may run come near.
 # Everything but the test log and this call's summary goes into one tar (a call returns at most 8 files).
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 D=results/h200-2026-12-04-phase17/scripts; SWEEP=$D/batch_sweep.py
@@ -32,7 +31,6 @@ sweep new-1 X=1 --
 sweep old-nocache PROBE_PATH=$D/old TORCHINDUCTOR_FX_GRAPH_CACHE=0 --
 pack() { tar -C $OUT -cf $OUT/work.tar work; }   # after each part: what is done comes back if time runs out
 pack; [ $(el) -lt 470 ] && sweep new-2 X=1 --
-pack; [ $(el) -lt 470 ] && sweep new-pad128 X=1 -- --pad-positions 128
 for run in 1-miss 2-hit; do
   pack; [ $(el) -lt 500 ] || break
   PROBE_PATH=$D/old timeout 90 python3 $D/cache_probe.py $W/old-$run 2>&1 | quiet > $W/old-$run.log
