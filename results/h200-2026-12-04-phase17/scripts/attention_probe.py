@@ -1,6 +1,6 @@
 """The packed forward's attention alone (one layer, bf16, forward and forward + backward) at phase 13's
-training shapes (phase 16's flex_probe.py: 32 sequences of 200-768 positions, <= 128 sorted anchors of
-blocks of 16, seed 0; SmolLM2's drafter heads 9 / 3, head dim 64), q strided as the layer makes it:
+training shapes (cpu_tiles.phase13_anchors, as phase 16's flex_probe.py: 32 sequences of 200-768 positions,
+<= 128 sorted anchors of blocks of 16, seed 0; SmolLM2's drafter heads 9 / 3, head dim 64), q strided as the layer makes it:
 
   one call     flex attention over [context | own rows] with the whole rule's BlockMask (1ab4896)
   two parts    dflash.attend_packed: flex attention over the context, dense products within each block
@@ -17,16 +17,12 @@ sys.path.insert(0, os.getcwd())
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import bench, dflash, train
+from cpu_tiles import phase13_anchors   # this folder's
 
 device, dtype = "cuda", torch.bfloat16
 Bt, B, h, hk, d, per_seq = 32, 16, 9, 3, 64, 128
-g = torch.Generator().manual_seed(0)
-lengths, prompts = torch.randint(200, 769, (Bt,), generator=g), torch.randint(20, 150, (Bt,), generator=g)
-block_anchors = torch.zeros(Bt, per_seq, dtype=torch.long)                               # (Bt, P), padding at 0
-for b, (n, pl) in enumerate(zip(lengths.tolist(), prompts.tolist())):
-    a = sorted((torch.randperm(n - pl - B, generator=g)[:per_seq] + pl).tolist())
-    block_anchors[b, :len(a)] = torch.tensor(a)
-N, R = int(lengths.max()), per_seq * B
+block_anchors, _, N = phase13_anchors()                                                # (Bt, P), the context's length
+R, g = per_seq * B, torch.Generator().manual_seed(0)
 block_anchors = block_anchors.to(device)
 q = torch.randn(Bt, R, h, d, generator=g).to(device, dtype).transpose(1, 2)              # (Bt, h, R, d) strided
 k, v = (torch.randn(Bt, hk, N + R, d, generator=g).to(device, dtype) for _ in range(2))  # (Bt, hk, N+R, d)

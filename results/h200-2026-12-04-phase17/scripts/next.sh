@@ -14,7 +14,7 @@
 # Parts 3-4 are skipped as the 600 s a call may run come near.
 # Everything but the test log and this call's summary goes into one tar (a call returns at most 8 files).
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-D=results/h200-2026-12-04-phase17/scripts; SWEEP=$D/batch_sweep.py
+D=results/h200-2026-12-04-phase17/scripts; SWEEP=results/h200-2026-12-04-stored/scripts/batch_sweep.py
 W=$OUT/work; mkdir -p $W
 quiet() { grep -Ev "^W[0-9]{4} |^\s*$" | grep -iv "warn\|online softmax\|split the reduction\|important use case\|softmax\.$"; }
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -k "flex_attention_on_cuda or compiled_training_follows_eager_on_cuda \

@@ -6,10 +6,13 @@ median of steps 9-48 as train() reports them (blocks/s, TFLOP/s), and the peak m
 --pad-positions M pads each step's context to a multiple of M positions (train --pad-shapes M 1;
 phase 16's next call: M = 128 lines the block rows up with flex attention's tiles).
 
-    $ python batch_sweep.py OUT_JSON [BATCH ...] [--pad-positions M]   # default batches 32 64 128, M 1
+    $ [PROBE_PATH=DIR] python batch_sweep.py OUT_JSON [BATCH ...] [--pad-positions M]   # default batches 32 64 128, M 1
+
+PROBE_PATH (phase 17): directories searched before the checkout, e.g. an older train.py and dflash.py.
 """
 import argparse, json, os, statistics, sys, time
 sys.path.insert(0, os.getcwd())
+sys.path[:0] = [d for d in os.environ.get("PROBE_PATH", "").split(":") if d]
 import torch
 import bench, train
 
