@@ -140,8 +140,8 @@ def attend(q, keys, values, mask):
 def attend_packed(q, keys, values, mask: PackedMask):
     """attend under a PackedMask, in two parts joined by their log-sum-exps: the context through flex
     attention (only the tiles some row sees, the K/V heads shared in the kernel) and each block's own rows
-    as small dense products. Apart, the own rows cost no flex tiles: together, each 128-row tile's 8
-    blocks made one or two tiles of their rows 1/8 seen, and each partly seen tile applies the rule."""
+    as small dense products. Apart, the own rows cost no flex tiles: together (blocks of 16, 8 to a
+    128-row tile), each row tile made one or two tiles of their rows 1/8 seen, each applying the rule."""
     (h, W, d), hk, B = q.shape[-3:], keys.shape[-3], mask.own.shape[0]
     N = keys.shape[-2] - W
     # a compiled drafter traces flex attention into its own graph; eager calls on CUDA take the compiled
@@ -156,8 +156,9 @@ def attend_packed(q, keys, values, mask: PackedMask):
     scores = scores.masked_fill(~mask.own, float("-inf"))
     lse_own = scores.logsumexp(-1)                                                     # (..., hk, g, W/B, B)
     out_own = (scores - lse_own[..., None]).exp().to(vb.dtype) @ vb                    # (..., hk, g, W/B, B, d)
-    out_own, lse_own = out_own.flatten(-3, -2).flatten(-4, -3), lse_own.flatten(-2).flatten(-3, -2)   # (..., h, W, d|)
-    lse = torch.logaddexp(aux.lse, lse_own)                                            # (..., h, W): a row sees itself
+    out_own = out_own.flatten(-3, -2).flatten(-4, -3)                                  # (..., h, W, d)
+    lse_own = lse_own.flatten(-2).flatten(-3, -2)                                      # (..., h, W)
+    lse = torch.logaddexp(aux.lse, lse_own)   # (..., h, W), finite: every row sees itself (a window is ≥ 1)
     out = out_context * (aux.lse - lse).exp()[..., None] + out_own * (lse_own - lse).exp()[..., None]
     return out.to(q.dtype)
 

@@ -1845,32 +1845,35 @@ def flex_attention_case(tmp_path, fmt):
 def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
     """On CUDA the packed forward attends through a PackedMask: flex attention over the context's BlockMask
     (tiles of 128, the masked ones skipped; its kernels want a head dim of 16 or more) and dense products
-    within each block, joined by their log-sum-exps, the drafter compiled as train
-    --compile compiles it. Its rows, and the gradients of the layers' weights, the context and the
-    block embeddings, equal the dense path's on CPU in float64 within fp32 rounding (1e-4): two
-    sequences of 300 positions, 24 and 9 blocks of 16 (384 query rows a sequence, three tiles),
-    bidirectional, causal and sliding (a window of 40) layers (flex_attention_case)."""
+    within each block, joined by their log-sum-exps; eagerly (flex attention compiled alone) and with the
+    drafter compiled as train --compile compiles it. Its rows, and the gradients of the layers' weights,
+    the context and the block embeddings, equal the dense path's on CPU in float64 within fp32 rounding
+    (1e-4): two sequences of 300 positions, 24 and 9 blocks of 16 (384 query rows a sequence, three
+    tiles; the shorter run's padding blocks see no context key), bidirectional, causal and sliding (a
+    window of 40) layers (flex_attention_case)."""
     path, sequence, anchors, c, x, grad_out = flex_attention_case(tmp_path, fmt)
     runs, kinds = {}, []
     packed_mask = train.packed_mask
     def recorded_mask(block_anchors, *rest):
         kinds.append((block_anchors.device.type, rest[-1]))
         return packed_mask(block_anchors, *rest)
-    for device, dtype in (("cpu", torch.float64), ("cuda", torch.float32)):
+    for mode, device, dtype in (("cpu", "cpu", torch.float64), ("cuda", "cuda", torch.float32),
+                                ("cuda compiled", "cuda", torch.float32)):
         target = dflash.load_target(str(tiny[0]), dtype, device)
         drafter = dflash.load_drafter(str(path), target, dtype, device).requires_grad_(True)
-        if device == "cuda":
+        if mode == "cuda compiled":
             torch._dynamo.reset()
-            drafter.compile(dynamic=True)
+            drafter.compile(**train.COMPILE)
         c_in, x_in = (t.detach().to(device, dtype).requires_grad_() for t in (c, x))
         with mock.patch.object(train, "packed_mask", recorded_mask):
             out = train.packed_forward(drafter, c_in, x_in, sequence, anchors)        # (M, B, H)
         out.backward(grad_out.to(device, dtype))
-        runs[device] = [out.detach(), c_in.grad, x_in.grad] + [p.grad for p in drafter.layers.parameters()]
-    assert len(runs["cuda"]) == len(runs["cpu"]) > 3 and all(t is not None for t in runs["cuda"])
+        runs[mode] = [out.detach(), c_in.grad, x_in.grad] + [p.grad for p in drafter.layers.parameters()]
     assert {kind for kind in kinds if kind[0] == "cuda"} == {("cuda", True)} and ("cpu", False) in kinds   # flex on CUDA
-    for got, want in zip(runs["cuda"], runs["cpu"]):
-        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)
+    for mode in ("cuda", "cuda compiled"):
+        assert len(runs[mode]) == len(runs["cpu"]) > 3 and all(t is not None for t in runs[mode])
+        for got, want in zip(runs[mode], runs["cpu"]):
+            torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", ["zlab-new", "laguna"])
@@ -1932,7 +1935,7 @@ def test_packed_block_mask_is_create_block_masks(causal, window):
         anchors = anchors.sort(1).values if in_order else anchors
         anchors[-1, -2:] = 0                                                        # empty slots, as block_slots leaves them
         rule = train.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
-        got = train.packed_block_mask(anchors, B, N, causal, window, rule, tile=tile)
+        got = train.packed_block_mask(anchors, B, N, window, rule, tile=tile)
         want = create_block_mask(rule, Bt, None, P * B, N, device="cpu", BLOCK_SIZE=tile)   # the context's keys
         case = (Bt, B, N, P, tile)
         assert got.BLOCK_SIZE == want.BLOCK_SIZE and got.seq_lengths == want.seq_lengths, case
@@ -1959,7 +1962,7 @@ def test_block_mask_attention_equals_the_dense_mask(causal, window):
     q = torch.randn(Bt, h, P * B, d, dtype=torch.float64, generator=g)
     keys, values = (torch.randn(Bt, hk, N + P * B, d, dtype=torch.float64, generator=g) for _ in range(2))
     packed = train.packed_mask(anchors, B, N, causal, window, True)
-    packed = packed._replace(context=train.packed_block_mask(anchors, B, N, causal, window, rule, tile=8))
+    packed = packed._replace(context=train.packed_block_mask(anchors, B, N, window, rule, tile=8))
     assert packed.context.sparsity() > 40   # percent of tiles skipped
     # unfused flex attention applies the rule itself, so the tiles are checked on their own: a tile is
     # listed (partly or wholly seen) exactly where some row of it sees some context key of it

@@ -603,18 +603,18 @@ def packed_mask(block_anchors, block_size: int, N: int, causal: bool, window: in
     if sparse:
         o = torch.arange(B, device=device)                                             # (B,) a row's place in its block
         own = dflash.visible_at(o[:, None] - o, causal, window)                        # (B, B) row o sees row j
-        return dflash.PackedMask(packed_block_mask(block_anchors, B, N, causal, window, rule), own)
+        return dflash.PackedMask(packed_block_mask(block_anchors, B, N, window, rule), own)
     rows = block_anchors.shape[1] * B
     return create_mask(rule, block_anchors.shape[0], None, rows, N + rows, device=device)
 
 
-def packed_block_mask(block_anchors, block_size: int, N: int, causal: bool, window: int | None, rule,
-                      tile: int = 128) -> BlockMask:
+def packed_block_mask(block_anchors, block_size: int, N: int, window: int | None, rule, tile: int = 128) -> BlockMask:
     """packed_rule's flex attention BlockMask over the context's N keys, the one create_block_mask(rule,
     ...) builds with tiles of `tile`, from the interval of keys each row sees there, not the rule at
     every (row, key), which on an H200 cost 4 ms a step compiled (one kernel over 32 × 2,048 × 2,816
     pairs) and 1.7 GiB eager. Row o of a block at anchor a (position a + o) sees the context
-    [a + o − w + 1, a), w the window (None: unbounded). A tile is listed if some row sees some key of
+    [a + o − w + 1, a), w the window (None: unbounded; causal or not, every context key it sees lies
+    before it). A tile is listed if some row sees some key of
     it, and as full if every row sees every key; the tiles past the rows' and keys' ends are padding
     that nothing sees, as create_block_mask pads them."""
     (Bt, P), B, device = block_anchors.shape, block_size, block_anchors.device

@@ -4,6 +4,9 @@ context as long as the longest sequence and rounded up to a multiple of 128 (tra
 and the host time of make_blocks and block_slots for such a batch (median of 30).
 
     $ python cpu_counts.py OUT_JSON
+
+Ran at af621aa. Since phase 17, train.packed_mask returns a dflash.PackedMask whose BlockMask covers the
+context alone; ../../h200-2026-12-04-phase17/scripts/cpu_tiles.py counts that.
 """
 import json, os, statistics, sys, time
 sys.path.insert(0, os.getcwd())
