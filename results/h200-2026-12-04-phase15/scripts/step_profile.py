@@ -42,7 +42,7 @@ drafter = train.new_drafter(target, raw)
 target.requires_grad_(False)
 drafter.train().requires_grad_(True)
 if not args.no_compile:
-    drafter.compile(dynamic=True)
+    drafter.compile(**getattr(train, "COMPILE", {"dynamic": True}))   # as train --compile (phase 17: caches off)
 chunk_grad = train.head_loss_chunk(not args.no_compile, args.soft)
 weights = train.position_weights(16, train.default_gamma(16), device)
 store = train.CachedFeatures(target, seqs, raw["dflash_config"]["target_layer_ids"], target.dtype, args.soft)

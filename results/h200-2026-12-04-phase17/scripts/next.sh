@@ -13,9 +13,10 @@
 # a2. attention_probe.py: one layer's attention, one flex call against two parts, static and dynamic shapes.
 # a3. train.train's loop (batch_sweep.py, 32 sequences): this code; then 1ab4896's (one flex call over
 #     context and rows, RoPE tables inside the compiled graph) with the FX graph cache off.
-# b1. the loop with this code again (a later process: inductor's cache no longer slows it), and with
+# b1. step_profile.py (phase 15's: the step's kernels by group, and each part's host time), this code.
+# b2. the loop with this code again (a later process: inductor's cache no longer slows it), and with
 #     inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1: kernels launched from C++, less host time).
-# b2. cache_probe.py with 1ab4896's code twice (a cache miss, then a hit), the kernels of both profiled.
+# b3. cache_probe.py with 1ab4896's code twice (a cache miss, then a hit), the kernels of both profiled.
 # Each part packs what it made into one tar as it goes (a call returns at most 8 files); b's steps are
 # skipped as the 600 s a call may run come near.
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -38,7 +39,9 @@ if [ $PART = a ]; then
   pack; sweep new-1 X=1 --
   pack; [ $(el) -lt 490 ] && sweep old-nocache PROBE_PATH=$D/old TORCHINDUCTOR_FX_GRAPH_CACHE=0 --
 else
-  sweep new-2 X=1 --
+  timeout 150 python3 results/h200-2026-12-04-phase15/scripts/step_profile.py $W/step-profile.json 2>&1 | quiet > $W/step-profile.log
+  echo "step profile at $(el)s:"; grep -A9 "^group" $W/step-profile.log; grep "^host\|^step" $W/step-profile.log | cut -c1-200
+  pack; sweep new-2 X=1 --
   pack; sweep new-cpp-wrapper TORCHINDUCTOR_CPP_WRAPPER=1 --
   for run in 1-miss 2-hit; do
     pack; [ $(el) -lt 480 ] || break
