@@ -1,5 +1,5 @@
 """The packed forward's attention alone (one layer, bf16, forward and forward + backward) at phase 13's
-training shapes (cpu_tiles.phase13_anchors, as phase 16's flex_probe.py: 32 sequences of 200-768 positions,
+training shapes (phase 16's cpu_counts.phase13_anchors, as its flex_probe.py: 32 sequences of 200-768 positions,
 <= 128 sorted anchors of blocks of 16, seed 0; SmolLM2's drafter heads 9 / 3, head dim 64), q strided as the layer makes it:
 
   one call     flex attention over [context | own rows] with the whole rule's BlockMask (1ab4896)
@@ -17,11 +17,11 @@ sys.path.insert(0, os.getcwd())
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import bench, dflash, train
-from cpu_tiles import phase13_anchors   # this folder's
+from cpu_tiles import phase13_anchors   # this folder's, from phase 16's cpu_counts.py
 
 device, dtype = "cuda", torch.bfloat16
 Bt, B, h, hk, d, per_seq = 32, 16, 9, 3, 64, 128
-block_anchors, _, N = phase13_anchors()                                                # (Bt, P), the context's length
+block_anchors, N = phase13_anchors(torch.Generator().manual_seed(0))                  # (Bt, P), the context's length
 R, g = per_seq * B, torch.Generator().manual_seed(0)
 block_anchors = block_anchors.to(device)
 q = torch.randn(Bt, R, h, d, generator=g).to(device, dtype).transpose(1, 2)              # (Bt, h, R, d) strided

@@ -9,22 +9,12 @@ import json, os, sys
 sys.path.insert(0, os.getcwd())
 import torch
 import train
-
-
-def phase13_anchors():
-    """-> block_anchors (Bt, P) sorted per sequence (0 in the empty slots), B, and the context length N."""
-    g = torch.Generator().manual_seed(0)
-    Bt, B, P = 32, 16, 128
-    lengths, prompts = torch.randint(200, 769, (Bt,), generator=g), torch.randint(20, 150, (Bt,), generator=g)
-    block_anchors = torch.zeros(Bt, P, dtype=torch.long)                                   # (Bt, P)
-    for b, (n, pl) in enumerate(zip(lengths.tolist(), prompts.tolist())):
-        a = sorted((torch.randperm(n - pl - B, generator=g)[:P] + pl).tolist())
-        block_anchors[b, :len(a)] = torch.tensor(a)
-    return block_anchors, B, int(lengths.max())
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../h200-2026-12-04-phase16/scripts"))
+from cpu_counts import B, phase13_anchors   # phase 16's batch, so the counts compare
 
 
 def main(out):
-    block_anchors, B, N = phase13_anchors()
+    block_anchors, N = phase13_anchors(torch.Generator().manual_seed(0))
     Bt, P = block_anchors.shape
     result = {"torch": torch.__version__, "sequences": Bt, "block": B, "anchors_at_most": P, "N": N,
               "query_tiles": Bt * P * B // 128,
