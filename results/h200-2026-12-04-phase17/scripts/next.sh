@@ -16,7 +16,8 @@
 # b1. step_profile.py (phase 15's: the step's kernels by group, and each part's host time), this code.
 # b2. the loop with this code again (a later process: inductor's cache no longer slows it), and with
 #     inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1: kernels launched from C++, less host time).
-# b3. cache_probe.py with 1ab4896's code twice (a cache miss, then a hit), the kernels of both profiled.
+# b3. with CACHE_PROBE=1: cache_probe.py with 1ab4896's code twice (a cache miss, then a hit), the kernels of
+#     both profiled (phase 18 left it out: the cache is off in training, and device time was short).
 # Each part packs what it made into one tar as it goes (a call returns at most 8 files); b's steps are
 # skipped as the 600 s a call may run come near.
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -43,7 +44,7 @@ else
   echo "step profile at $(el)s:"; grep -A9 "^group" $W/step-profile.log; grep "^host\|^step" $W/step-profile.log | cut -c1-200
   pack; sweep new-2 X=1 --
   pack; sweep new-cpp-wrapper TORCHINDUCTOR_CPP_WRAPPER=1 --
-  for run in 1-miss 2-hit; do
+  for run in $([ "$CACHE_PROBE" = 1 ] && echo 1-miss 2-hit); do
     pack; [ $(el) -lt 480 ] || break
     PROBE_PATH=$D/old timeout 90 python3 $D/cache_probe.py $W/old-$run 2>&1 | quiet > $W/old-$run.log
     echo "[old $run at $(el)s] $(tail -n 1 $W/old-$run.log)"
