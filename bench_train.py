@@ -138,7 +138,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
         t_compile = time.perf_counter()
         if compiled:
-            drafter.compile(**train.COMPILE)   # as train --compile compiles it
+            train.compile_drafter(drafter)   # as train --compile compiles it
         store, loss_fn = {"cached": cached, "live": live}[store_name], losses[loss_name]
         if compiled and loss_name == "chunked":   # as train --compile: the head's loss chunk compiled too
             loss_fn = functools.partial(train.block_loss, chunk_grad=train.head_loss_chunk(True))

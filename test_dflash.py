@@ -1863,7 +1863,7 @@ def test_packed_forward_through_flex_attention_on_cuda(tiny, tmp_path, fmt):
         drafter = dflash.load_drafter(str(path), target, dtype, device).requires_grad_(True)
         if mode == "cuda compiled":
             torch._dynamo.reset()
-            drafter.compile(**train.COMPILE)
+            train.compile_drafter(drafter)
         c_in, x_in = (t.detach().to(device, dtype).requires_grad_() for t in (c, x))
         with mock.patch.object(train, "packed_mask", recorded_mask):
             out = train.packed_forward(drafter, c_in, x_in, sequence, anchors)        # (M, B, H)
@@ -1905,23 +1905,38 @@ def test_packed_forward_through_flex_attention_on_cpu(tiny, tmp_path, fmt):
 
 
 def test_compiled_drafter_reads_the_rope_tables_it_is_given(tiny):
-    """train --compile's drafter, forward and backward (inductor, on CPU), computes no cos or sin: RoPE's
-    tables come from outside the graph (Drafter.forward takes them). Made inside it, inductor recomputed
-    their float64 pow, cos and sin in every kernel that read them, per element of q and k (on the H200,
-    6.09 ms of a 54 ms step). The same search finds them in a compiled rope_table."""
+    """train --compile's drafter (train.compile_drafter: its forward and the context's path, inductor on
+    CPU), forward and backward, computes no cos or sin: RoPE's tables come from outside its graphs
+    (Drafter.forward and context_kv take them). Made inside, inductor recomputed their float64 pow, cos
+    and sin in every kernel that read them, per element of q and k (on the H200, 6.09 ms of a 54 ms
+    step). The same search finds them in a compiled rope_table. The compiled rows and gradients equal
+    the eager drafter's in float64."""
+    import copy
     from torch._inductor.utils import run_and_get_code
     computes_trig = re.compile(r"(std::|\.)(cos|sin)\(")   # scalar and vectorized C++
     target = tiny[1]
     raw, drafter = fresh_drafter(target, block_size=4, num_layers=2)
-    drafter.requires_grad_(True)
+    drafter.double().requires_grad_(True)
+    eager = copy.deepcopy(drafter)
     torch._dynamo.reset()
-    drafter.compile(**train.COMPILE)
+    train.compile_drafter(drafter)
     g = torch.Generator().manual_seed(0)
     sequences = [train.Sequence(torch.randint(0, VOCAB - 2, (40,), generator=g), 5) for _ in range(2)]
     blocks = train.make_blocks(sequences, 6, 4, MASK, g)
-    features = torch.randn(2, 40, drafter.fc.weight.shape[1], generator=g)
-    _, code = run_and_get_code(lambda: train.draft_hidden(target, drafter, blocks, features).sum().backward())
-    assert len(code) == 2 and not any(computes_trig.search(c) for c in code)          # forward, backward
+    features = torch.randn(2, 40, drafter.fc.weight.shape[1], generator=g, dtype=torch.float64)
+    runs = {}
+    for name, model in (("eager", eager), ("compiled", drafter)):
+        def step():
+            hidden = train.draft_hidden(target, model, blocks, features)              # (M, B, H)
+            hidden.sum().backward()
+            return hidden.detach()
+        hidden, code = run_and_get_code(step) if name == "compiled" else (step(), None)
+        runs[name] = [hidden] + [p.grad for p in model.parameters()]
+    # forward and backward of three graphs: project_context, context_kv (one for every layer), the forward
+    assert len(code) == 6 and not any(computes_trig.search(c) for c in code)
+    assert all(t is not None for t in runs["compiled"])
+    for got, want in zip(runs["compiled"], runs["eager"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     table = torch.compile(lambda p: dflash.rope_table(p, 10000.0, 16, torch.float32), **train.COMPILE)
     _, code = run_and_get_code(table, torch.arange(10))
     assert any(computes_trig.search(c) for c in code)

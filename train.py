@@ -876,6 +876,17 @@ def triton_head_chunk_grad(logits, labels, row_weights, block: int = HEAD_BLOCK,
 COMPILE = {"dynamic": True, "options": {"fx_graph_cache": False}}
 
 
+def compile_drafter(drafter: Drafter):
+    """train --compile, in place (the module, its parameters and their names stay the checkpoint's): the
+    drafter's forward, and the context's path that the packed forward runs over every sequence's whole
+    context before it, project_context and each layer's context_kv (eagerly, their norms, RoPE and casts
+    are many small kernels a step, forward and backward)."""
+    drafter.compile(**COMPILE)
+    drafter.project_context = torch.compile(drafter.project_context, **COMPILE)
+    for layer in drafter.layers:
+        layer.context_kv = torch.compile(layer.context_kv, **COMPILE)
+
+
 def head_loss_chunk(compiled: bool, soft: bool = False):
     """The chunk function FrozenHeadCrossEntropy runs. Cross-entropy: on CUDA (below float64) one
     Triton kernel, triton_head_chunk_grad; elsewhere head_chunk_grad, for `train --compile` compiled
@@ -1146,8 +1157,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         raise DFlashError("training data: no response has 2 tokens (an anchor needs at least one label)")
     target.requires_grad_(False)
     drafter.train().requires_grad_(True)
-    if cfg.compile:   # in place: the module, its parameters and their names stay the checkpoint's
-        drafter.compile(**COMPILE)
+    if cfg.compile:
+        compile_drafter(drafter)
     chunk_grad = head_loss_chunk(cfg.compile, cfg.soft_labels)   # compiled: fused passes over each chunk's logits
     weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
     steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)

@@ -42,7 +42,10 @@ drafter = train.new_drafter(target, raw)
 target.requires_grad_(False)
 drafter.train().requires_grad_(True)
 if not args.no_compile:
-    drafter.compile(**getattr(train, "COMPILE", {"dynamic": True}))   # as train --compile (phase 17: caches off)
+    if hasattr(train, "compile_drafter"):   # as train --compile (phase 18: the context's path too)
+        train.compile_drafter(drafter)
+    else:
+        drafter.compile(**getattr(train, "COMPILE", {"dynamic": True}))   # (phase 17: caches off)
 chunk_grad = train.head_loss_chunk(not args.no_compile, args.soft)
 weights = train.position_weights(16, train.default_gamma(16), device)
 store = train.CachedFeatures(target, seqs, raw["dflash_config"]["target_layer_ids"], target.dtype, args.soft)
