@@ -1050,7 +1050,7 @@ class TrainConfig:
     time_budget: float | None = None  # seconds: the schedule is refitted to the measured step time
     cache_tokens: int | None = None   # most tokens whose features are cached at once; None: the whole set
     pad_shapes: tuple[int, int] = (1, 1)   # a step's context length and block count rounded up to multiples of these
-    compile: bool = False           # torch.compile the drafter's forward and the head's loss (dynamic shapes)
+    compile: bool = False           # torch.compile the drafter (compile_drafter) and the head's loss (dynamic shapes)
     soft_labels: bool = False       # logit distillation: KL to the target's distribution, not CE to its argmax
     seed: int = 0                   # sequence order and anchors
 
@@ -1790,7 +1790,7 @@ def parse_args(argv=None):
                    help="round each step's context length and block count up to multiples of these (masked, "
                         "unlabelled padding: the same loss), so that steps repeat fewer shapes; the block count "
                         "sizes the head's loss, not the packed forward's runs (default: 1 1, none)")
-    s.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward and the head's loss "
+    s.add_argument("--compile", action="store_true", help="torch.compile the drafter (its forward and the context's path) and the head's loss "
                    "chunk (dynamic shapes; the first steps wait for the compiler, every run: graphs read back from "
                    "inductor's cache stepped 3-4x slower, so it is not used)")
     s.add_argument("--soft-labels", action="store_true", help="logit distillation: each block row learns the "
