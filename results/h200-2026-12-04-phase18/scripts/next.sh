@@ -1,7 +1,8 @@
 #!/bin/bash
 # Phase 18's third call (nothing carried), from a checkout staged with
-#   KEEP="results/h200-2026-12-04-phase15 results/h200-2026-12-04-phase18 results/h200-2026-12-04-stored" \
-#     HOLD=/work/hold bash results/h200-2026-12-04-phase13/scripts/stage.sh b   (and phase 15's d15a/ held too)
+#   KEEP="results/h200-2026-12-04-phase13 results/h200-2026-12-04-phase15 results/h200-2026-12-04-phase18 \
+#     results/h200-2026-12-04-stored" HOLD=/work/hold bash results/h200-2026-12-04-phase13/scripts/stage.sh b
+# with phase 15's d15a/ (25 MB) moved to the hold too (phase 13 stays: stage.sh restore is there);
 # and 82fcb78's train.py and dflash.py in scripts/head/ (from this folder, not kept in the tree):
 #   mkdir -p head && for f in train.py dflash.py; do git show 82fcb78:$f > head/$f; done
 # 1. train.train's loop (../../h200-2026-12-04-stored/scripts/batch_sweep.py, 32 sequences) with this code:
