@@ -33,6 +33,7 @@ for name in ("forward compiled (82fcb78)", "compile_drafter"):
     def step(i):
         blocks = train.make_blocks(sequences, 6, 16, raw["dflash_config"]["mask_token_id"], torch.Generator().manual_seed(i))
         features = torch.randn(2, 60, drafter.fc.weight.shape[1], generator=torch.Generator().manual_seed(i))
+        drafter.zero_grad(set_to_none=True)   # as train's step: the gradients are made, not accumulated
         train.draft_hidden(target, drafter, blocks, features).sum().backward()
 
     for i in range(3):
