@@ -1791,9 +1791,9 @@ def parse_args(argv=None):
                    help="round each step's context length and block count up to multiples of these (masked, "
                         "unlabelled padding: the same loss), so that steps repeat fewer shapes; the block count "
                         "sizes the head's loss, not the packed forward's runs (default: 1 1, none)")
-    s.add_argument("--compile", action="store_true", help="torch.compile the drafter (its forward and the context's path) and the head's loss "
-                   "chunk (dynamic shapes; the first steps wait for the compiler, every run: graphs read back from "
-                   "inductor's cache stepped 3-4x slower, so it is not used)")
+    s.add_argument("--compile", action="store_true", help="torch.compile the drafter (its forward and the "
+                   "context's path) and the head's loss chunk (dynamic shapes; the first steps wait for the compiler, "
+                   "every run: graphs read back from inductor's cache stepped 3-4x slower, so it is not used)")
     s.add_argument("--soft-labels", action="store_true", help="logit distillation: each block row learns the "
                    "target's whole distribution there (KL to the softmax of its LM head on its final state, cached "
                    "beside the features: H more values a token) rather than its argmax (cross-entropy)")
