@@ -1801,7 +1801,8 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
     positions < a (later context rows exist but must stay unseen), for overlapping blocks, an anchor
     at 0, two sequences with different numbers of blocks whose blocks come in three runs (as
     make_blocks' padding blocks do), and bidirectional, causal and sliding-window layers; changing
-    one block's inputs leaves every other block, of its sequence or not, unchanged."""
+    one block's inputs leaves every other block, of its sequence or not, unchanged. One RoPE table per
+    base serves the context and the rows."""
     target64 = dflash.load_target(str(tiny[0]), torch.float64, "cpu")
     drafter = dflash.load_drafter(str(write_drafter(tmp_path / fmt, fmt, block_size=4)), target64,
                                   torch.float64, "cpu")
@@ -1810,7 +1811,9 @@ def test_packed_forward_equals_draft_block_per_anchor(tiny, tmp_path, fmt):
     sequence = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 0])                        # (M,)
     anchors = torch.tensor([0, 3, 11, 2, 4, 7, 8, 10, 12, 5])                      # (M,)
     x = torch.randn(len(anchors), B, H, dtype=torch.float64)                       # (M, B, H)
-    packed = train.packed_forward(drafter, c, x, sequence, anchors)                # (M, B, H)
+    with mock.patch.object(dflash, "rope_table", wraps=dflash.rope_table) as tables:
+        packed = train.packed_forward(drafter, c, x, sequence, anchors)            # (M, B, H)
+    assert tables.call_count == len(set(drafter.config.rope_thetas))               # one table, context and rows
     for j, (b, a) in enumerate(zip(sequence.tolist(), anchors.tolist())):
         want = dflash.draft_block(drafter, context_of(drafter, c[b, :a]), x[j])
         torch.testing.assert_close(packed[j], want, rtol=1e-10, atol=1e-10)

@@ -662,13 +662,15 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     for layer in drafter.layers:
         if (layer.causal, layer.window) not in masks:
             masks[layer.causal, layer.window] = packed_mask(block_anchors, B, N, layer.causal, layer.window, sparse)
-    tables = drafter.rope_tables(torch.arange(N, device=device), c.dtype)
-    context = [layer.context_kv(c, tables) for layer in drafter.layers]               # L × (Bt, hk, N, d) each
+    # one RoPE table over every position a key or row takes: the context's 0..N-1, the rows' up to N+B-2
+    table = drafter.rope_tables(torch.arange(N + B - 1, device=device), c.dtype)     # {θ: (N+B-1, 1, d) × 2}
+    context_tables = {theta: (cos[:N], sin[:N]) for theta, (cos, sin) in table.items()}
+    row_tables = {theta: (cos[positions], sin[positions]) for theta, (cos, sin) in table.items()}   # (Bt, P·B, 1, d)
+    context = [layer.context_kv(c, context_tables) for layer in drafter.layers]       # L × (Bt, hk, N, d) each
     # cuDNN left out, as for the target: it plans every new shape, and each training step brings new ones
     # (H200, 32 sequences a step: 184 against 266 ms, p90 202 against 1,624)
     with sdpa_kernel(dflash.TARGET_ATTENTION):
-        hidden = drafter(rows_x, drafter.rope_tables(positions, rows_x.dtype), context,
-                         [masks[layer.causal, layer.window] for layer in drafter.layers])
+        hidden = drafter(rows_x, row_tables, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
     return hidden.view(Bt * P, B, H)[slots]                                           # (M, B, H)
 
 
