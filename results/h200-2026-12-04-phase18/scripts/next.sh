@@ -6,10 +6,12 @@
 # and 82fcb78's train.py and dflash.py in scripts/head/ (from this folder, not kept in the tree):
 #   mkdir -p head && for f in train.py dflash.py; do git show 82fcb78:$f > head/$f; done
 # 1. train.train's loop (../../h200-2026-12-04-stored/scripts/batch_sweep.py, 32 sequences) with this code:
-#    train.compile_drafter compiles the context's path (project_context, each layer's context_kv) too.
+#    train.compile_drafter compiles the context's path (project_context, each layer's context_kv) too,
+#    and packed_forward makes one RoPE table per base for the context and the rows (since 49b43a7).
 # 2. the same loop with 82fcb78's code (the drafter's forward compiled, the context's path eager).
 # 3. phase 15's step_profile.py with this code: the step's kernels by group, host time by part.
-# 4. test_compiled_training_follows_eager_on_cuda (train --compile against eager, through compile_drafter).
+# 4. test_compiled_training_follows_eager_on_cuda (train --compile against eager, through compile_drafter)
+#    and test_packed_forward_through_flex_attention_on_cuda (the packed forward against CPU float64).
 # Each step packs what it made into work.tar as it goes; later steps are skipped as the time nears.
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 D=results/h200-2026-12-04-phase18/scripts; SWEEP=results/h200-2026-12-04-stored/scripts/batch_sweep.py
@@ -29,7 +31,8 @@ if [ $(el) -lt 330 ]; then
   echo "step profile at $(el)s:"; grep -A9 "^group" $W/step-profile.log; grep "^host\|^step" $W/step-profile.log | cut -c1-250; pack
 fi
 if [ $(el) -lt 360 ]; then
-  timeout $(( 420 - $(el) )) python3 -m pytest -q -m gpu -p no:cacheprovider -rA -k "compiled_training_follows_eager_on_cuda" \
+  timeout $(( 420 - $(el) )) python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
+    -k "compiled_training_follows_eager_on_cuda or packed_forward_through_flex_attention_on_cuda" \
     test_dflash.py > $W/gpu-tests.log 2>&1
   echo "gpu test: rc $? at $(el)s"; grep -E "passed|failed|^FAILED|^ERROR" $W/gpu-tests.log | tail -n 3; pack
 fi
