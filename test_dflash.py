@@ -2388,7 +2388,8 @@ def test_batch_decoder_runs_eagerly_where_the_compile_fails(tmp_path, capsys):
 
 def test_frozen_head_cross_entropy_equals_full_logits():
     """The chunked loss through the frozen head equals the weighted cross-entropy of the whole
-    logits matrix, value and gradient, with chunks that do not divide the rows."""
+    logits matrix, value and gradient, with chunks that do not divide the rows: in float64 exactly,
+    and with training's float32 rows through a bfloat16 head within bfloat16's rounding."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(50, 8, dtype=torch.float64, generator=g, requires_grad=True)
     head = torch.randn(30, 8, dtype=torch.float64, generator=g)
@@ -2400,6 +2401,18 @@ def test_frozen_head_cross_entropy_equals_full_logits():
     (want_grad,) = torch.autograd.grad(2 * want, full)
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
+    # training's dtypes: float32 rows through a bfloat16 head; the loss in float32, the gradient in the
+    # rows' dtype, against float64 from the same rounded rows and head: the logits' and the gradient's
+    # bfloat16 rounding (2⁻⁸) is what is left
+    rows, head16 = hidden.detach().float().requires_grad_(True), head.bfloat16()
+    loss16 = train.FrozenHeadCrossEntropy.apply(rows, head16, labels, w.float(), 7)
+    (grad16,) = torch.autograd.grad(2 * loss16, rows)
+    full = rows.detach().bfloat16().double().requires_grad_(True)
+    want = (w * F.cross_entropy(full @ head16.double().T, labels, reduction="none")).sum()
+    (want_grad,) = torch.autograd.grad(2 * want, full)
+    assert loss16.dtype == grad16.dtype == torch.float32
+    torch.testing.assert_close(loss16.double(), want, rtol=1e-3, atol=0)
+    torch.testing.assert_close(grad16.double(), want_grad, rtol=1e-2, atol=1e-2)
 
 
 def test_frozen_head_distillation_equals_full_logits_kl():

@@ -918,14 +918,14 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad, teacher=None):
         loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
-        grad = torch.empty_like(hidden)                                               # (M, H)
-        for i in range(0, len(hidden), chunk):
-            logits = hidden[i:i + chunk].to(weight.dtype) @ weight.T                  # (c, V)
+        rows, grads = hidden.to(weight.dtype), []   # cast once, joined once: not a cast and a copy a chunk
+        for i in range(0, len(rows), chunk):
+            logits = rows[i:i + chunk] @ weight.T                                     # (c, V)
             wanted = labels[i:i + chunk] if teacher is None else teacher[i:i + chunk].to(weight.dtype) @ weight.T
             chunk_loss, d_logits = chunk_grad(logits, wanted, row_weights[i:i + chunk])
             loss += chunk_loss
-            grad[i:i + chunk] = (d_logits @ weight).to(hidden.dtype)
-        ctx.save_for_backward(grad)
+            grads.append(d_logits @ weight)                                           # (c, H)
+        ctx.save_for_backward(torch.cat(grads).to(hidden.dtype))                      # (M, H)
         return loss
 
     @staticmethod
