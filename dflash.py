@@ -63,7 +63,7 @@ class DraftConfig:
     target_layer_ids: list[int]      # 0-based target layers whose outputs are captured
     rope_thetas: list[float]         # per layer: RoPE base
     causal: list[bool]               # per layer: a block row sees only keys at or before its position
-    windows: list[int | None]        # per layer: at most this many keys per query, ending at it; None: all
+    windows: list[int | None]        # per layer: keys nearer the query than this (before it if causal); None: all
     gated: bool = False              # per-head softplus gate g_proj before o_proj (Laguna)
     capture_norms: bool = False      # an RMSNorm per captured layer before fc (Laguna's aux_hidden_norms)
     norm_context: bool = False       # each layer's input norm applied to the context before k/v (Laguna)
@@ -263,7 +263,8 @@ class Drafter(nn.Module):
 # Target capture: layer outputs taken during the target's own forward
 class Capture:
     """Hooks on the captured target layers until close(): each forward leaves the residual stream leaving
-    layer i (un-normed, before the final norm; HF hidden_states[i + 1]) in outputs[i]."""
+    layer i (un-normed, before the final norm) in outputs[i]: HF's hidden_states[i + 1], except for the
+    last layer, whose hidden_states entry HF takes after the final norm."""
 
     def __init__(self, target, layer_ids: list[int]):
         self.layer_ids, self.outputs, layers = list(layer_ids), {}, decoder_layers(target)
@@ -547,6 +548,13 @@ MODEL_TYPE_DEFAULTS = {   # transformers config classes that add semantics a fil
 }
 
 
+def config_value(raw: dict, name: str):
+    """A drafter config key from `dflash_config` first, then the top level (spec §6); a null in
+    `dflash_config` falls through to the top level. None if neither has it."""
+    value = (raw.get("dflash_config") or {}).get(name)
+    return raw.get(name) if value is None else value
+
+
 def refuse_unsupported(raw: dict, nested: dict):
     """Refuse config keys that change the math this drafter implements, rather than ignore them."""
     architectures = raw.get("architectures") or []
@@ -558,11 +566,11 @@ def refuse_unsupported(raw: dict, nested: dict):
     require(bool(architectures) and known, f"draft config: 'architectures' = {architectures} is not a DFlash "
             "drafter (DFlashDraftModel, or a Laguna DFlash drafter); refusing to guess its layout")
     for name in ("sample_from_anchor", "shift_label"):
-        value = nested.get(name, raw.get(name))
+        value = config_value(raw, name)
         require(not value, f"draft config: '{name}' = {json.dumps(value)}: an anchor-first drafter (block row j "
                 "predicts position j+1) is not supported; read as same-position, every draft would land one "
                 "position early")
-    found = {k: nested.get(k, raw.get(k)) for k in UNSUPPORTED_KEYS}
+    found = {k: config_value(raw, k) for k in UNSUPPORTED_KEYS}
     found = {k: v for k, v in found.items() if v is not None and v not in UNSUPPORTED_KEYS[k][0]}
     needs = [UNSUPPORTED_KEYS[k][1] for k in found]
     if raw.get("model_type") in MODEL_TYPE_DEFAULTS:
@@ -571,13 +579,13 @@ def refuse_unsupported(raw: dict, nested: dict):
                         "which this file does not list")
     require(not found, "draft config: " + ", ".join(f"'{k}' = {json.dumps(v)}" for k, v in found.items()) +
             " not supported (" + "; ".join(dict.fromkeys(needs)) + ")")
-    require(raw.get("hidden_act", "silu") == "silu", f"draft config: 'hidden_act' = {raw.get('hidden_act')!r} "
-            "is not supported (SwiGLU with silu)")
+    act = config_value(raw, "hidden_act") or "silu"
+    require(act == "silu", f"draft config: 'hidden_act' = {act!r} is not supported (SwiGLU with silu)")
 
 
 def config_block_size(raw: dict) -> int:
     """B, from dflash_config first, then the top level: the bonus and B-1 drafts."""
-    value = (raw.get("dflash_config") or {}).get("block_size", raw.get("block_size"))
+    value = config_value(raw, "block_size")
     require(value is not None, "draft config: 'block_size' is missing")
     require(isinstance(value, int) and value >= 2, f"draft config: 'block_size' = {value!r} must be an integer "
             "of at least 2 (the bonus and one draft)")
@@ -596,7 +604,7 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
     """Resolve config.json, each key from `dflash_config` first, then the top level; n = fc_in_features / H."""
     nested, required = raw.get("dflash_config") or {}, object()
     def key(name, default=required):
-        value = nested.get(name, raw.get(name))
+        value = config_value(raw, name)
         require(value is not None or default is not required, f"draft config: '{name}' is missing")
         return default if value is None else value
 
@@ -619,11 +627,14 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
     sliding, window = [t == "sliding_attention" for t in layer_types], key("sliding_window", None)
     require(bool(window) or not any(sliding),
             f"draft config: 'sliding_window' = {window!r} but layers are sliding")
-    rope, thetas = raw.get("rope_parameters"), []
+    require(window is None or (type(window) is int and window >= 1),
+            f"draft config: 'sliding_window' = {window!r} must be a positive integer (keys a query sees)")
+    rope, thetas = key("rope_parameters", None), []
     for layer_type in layer_types:   # no silent default: a missing base would quietly give wrong positions
         p = rope.get(layer_type, rope) if isinstance(rope, dict) else {}   # flat, or keyed by layer type
-        thetas.append(p.get("rope_theta", raw.get("rope_theta")))
-        require(thetas[-1] is not None, "draft config: 'rope_theta' is missing (in rope_parameters and top level)")
+        thetas.append(p.get("rope_theta", key("rope_theta", None)))
+        require(thetas[-1] is not None, "draft config: 'rope_theta' is missing (in rope_parameters, dflash_config "
+                "and the top level)")
         require(p.get("rope_type", "default") == "default" and p.get("partial_rotary_factor", 1.0) == 1.0,
                 f"draft config: 'rope_parameters' = {p} is unsupported (only full default RoPE)")
 

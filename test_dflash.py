@@ -268,6 +268,19 @@ def test_causality_keys_are_read_in_vllms_order(edit, causal):
     assert dflash.load_draft_config(raw, T_LAYERS, 2 * H).causal == causal
 
 
+def test_dflash_config_is_read_before_the_top_level():
+    """Every key, RoPE's and the block size's included, from dflash_config first, then the top level
+    (spec §6); a null in dflash_config falls through to the top level."""
+    raw = drafter_config("zlab-new", 4, (1, 3))
+    raw["dflash_config"].update(rope_theta=123.0, block_size=None)
+    raw.update(rope_theta=456.0, block_size=8)
+    raw.pop("rope_parameters", None)
+    cfg = dflash.load_draft_config(raw, T_LAYERS, 2 * H)
+    assert cfg.rope_thetas == [123.0, 123.0] and cfg.block_size == 8
+    raw["dflash_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 789.0}
+    assert dflash.load_draft_config(raw, T_LAYERS, 2 * H).rope_thetas == [789.0, 789.0]
+
+
 RELEASED = HERE / "released_configs"
 RELEASED_EXPECTED = {   # README of released_configs/: what each resolves to, or why it is refused
     "zlab_Qwen3-4B-DFlash-b16_reconstructed.json": dict(
@@ -919,7 +932,7 @@ BAD_CHECKPOINTS = {
     "wrong target depth": ("zlab", set_top(num_target_layers=36),
                            "draft config: 'num_target_layers' = 36 but the target has 6 layers"),
     "rope missing": ("zlab", lambda p: edit_config(p, lambda c: c.pop("rope_theta")),
-                     "draft config: 'rope_theta' is missing (in rope_parameters and top level)"),
+                     "draft config: 'rope_theta' is missing (in rope_parameters, dflash_config and the top level)"),
     "block_size 0": ("zlab", set_top(block_size=0), "draft config: 'block_size' = 0 must be an integer of at "
                      "least 2 (the bonus and one draft)"),
     "block_size missing": ("zlab", lambda p: edit_config(p, lambda c: c.pop("block_size")),
@@ -973,6 +986,10 @@ BAD_CHECKPOINTS = {
         "without 'layer_types': which layers slide is not listed"),
     "hidden_act": ("zlab", set_top(hidden_act="gelu"),
                    "draft config: 'hidden_act' = 'gelu' is not supported (SwiGLU with silu)"),
+    "hidden_act (dflash_config)": ("zlab", set_nested(hidden_act="gelu"),
+                                   "draft config: 'hidden_act' = 'gelu' is not supported (SwiGLU with silu)"),
+    "sliding_window negative": ("laguna", set_top(sliding_window=-1), "draft config: 'sliding_window' = -1 must "
+                                "be a positive integer (keys a query sees)"),
 }
 
 
@@ -2413,6 +2430,26 @@ def test_frozen_head_cross_entropy_equals_full_logits():
     assert loss16.dtype == grad16.dtype == torch.float32
     torch.testing.assert_close(loss16.double(), want, rtol=1e-3, atol=0)
     torch.testing.assert_close(grad16.double(), want_grad, rtol=1e-2, atol=1e-2)
+
+
+def test_block_loss_goes_through_the_heads_bias(tiny):
+    """A target whose LM head has a bias: the training loss is the weighted cross-entropy of the logits the
+    head module makes (lm_logits, as inference drafts with it), bias included, normalised by the weight sum."""
+    import copy
+    target = copy.deepcopy(tiny[1]).double()
+    head = target.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.randn(head.weight.shape[0], dtype=torch.float64,
+                                               generator=torch.Generator().manual_seed(1)), requires_grad=False)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 4, head.weight.shape[1], dtype=torch.float64, generator=g)   # (M, B, H)
+    labels = torch.randint(0, head.weight.shape[0], (3, 4), generator=g)                 # (M, B)
+    labels[:, 0], labels[2, 3] = train.IGNORE, train.IGNORE
+    weights = train.position_weights(4, 7.0).double()                                    # (B,)
+    loss = train.block_loss(target, hidden, labels, weights)
+    w = weights.expand(3, 4)[labels != train.IGNORE]                                     # (R,)
+    ce = F.cross_entropy(train.lm_logits(target, hidden[labels != train.IGNORE]), labels[labels != train.IGNORE],
+                         reduction="none")                                               # (R,)
+    torch.testing.assert_close(loss, (w * ce).sum() / w.sum(), rtol=1e-12, atol=1e-12)
 
 
 def test_frozen_head_distillation_equals_full_logits_kl():

@@ -907,7 +907,8 @@ def head_loss_chunk(compiled: bool, soft: bool = False):
 
 
 class FrozenHeadCrossEntropy(torch.autograd.Function):
-    """Σ_r w_r · CE(h_r Wᵀ, y_r) through the frozen LM head W, without the whole (M, V) logits: rows go
+    """Σ_r w_r · CE(h_r Wᵀ + b, y_r) through the frozen LM head W (b its bias, if it has one, as the head
+    module drafts with it at inference), without the whole (M, V) logits: rows go
     through the head CE_CHUNK at a time, and each chunk's gradient with respect to its rows,
     w · (softmax − onehot) @ W, is taken in the forward pass (W needs none); backward only scales it.
     Logits in the head's dtype, softmax in float32 (float64 for a float64 head), as lm_logits.
@@ -916,12 +917,14 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     teacher's logits made chunk by chunk too, and chunk_grad is soft_chunk_grad (or it compiled)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad, teacher=None):
+    def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad, teacher=None,
+                bias=None):
         loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
         rows, grads = hidden.to(weight.dtype), []   # cast once, joined once: not a cast and a copy a chunk
         for i in range(0, len(rows), chunk):
-            logits = rows[i:i + chunk] @ weight.T                                     # (c, V)
-            wanted = labels[i:i + chunk] if teacher is None else teacher[i:i + chunk].to(weight.dtype) @ weight.T
+            logits = F.linear(rows[i:i + chunk], weight, bias)                        # (c, V)
+            wanted = labels[i:i + chunk] if teacher is None else F.linear(teacher[i:i + chunk].to(weight.dtype),
+                                                                           weight, bias)
             chunk_loss, d_logits = chunk_grad(logits, wanted, row_weights[i:i + chunk])
             loss += chunk_loss
             grads.append(d_logits @ weight)                                           # (c, H)
@@ -931,7 +934,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None
 
 
 CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) logits at a time
@@ -947,10 +950,10 @@ def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teac
     rows = (flat != IGNORE).nonzero()[:, 0]                                           # (R,) the labelled rows
     rows_here = to_device(rows, device)
     w = weights[rows_here % labels.shape[1]]                                          # (R,)
-    head = target.get_output_embeddings().weight                                      # (V, H)
+    head = target.get_output_embeddings()                                             # W (V, H), its bias or None
     wanted = None if teacher is None else teacher.flatten(0, 1)[rows_here]            # (R, H)
-    return FrozenHeadCrossEntropy.apply(hidden.flatten(0, 1)[rows_here], head, to_device(flat[rows], device), w,
-                                        CE_CHUNK, chunk_grad, wanted) / w.sum()
+    return FrozenHeadCrossEntropy.apply(hidden.flatten(0, 1)[rows_here], head.weight, to_device(flat[rows], device),
+                                        w, CE_CHUNK, chunk_grad, wanted, head.bias) / w.sum()
 
 
 def step_flops(drafter: Drafter, target, blocks: Blocks, N: int, soft: bool = False) -> float:
