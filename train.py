@@ -1172,7 +1172,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     plan = {"planned": min(cfg.epochs * steps_per_epoch, cfg.max_steps or 10**12)}
     plan["total"] = plan["planned"]
     plan["warmup"] = max(1, round(cfg.warmup * plan["total"]))
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # fused: the update in one pass over the parameters, gradients and moments, not a kernel per operation
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan["total"], plan["warmup"]))
     generator = torch.Generator().manual_seed(cfg.seed)
     # features as the target makes them under autocast (bf16 on CUDA: n·H · 2 bytes a token), else the drafter's dtype

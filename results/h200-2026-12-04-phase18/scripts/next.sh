@@ -7,7 +7,9 @@
 #   mkdir -p head && for f in train.py dflash.py; do git show 82fcb78:$f > head/$f; done
 # 1. train.train's loop (../../h200-2026-12-04-stored/scripts/batch_sweep.py, 32 sequences) with this code:
 #    train.compile_drafter compiles the context's path (project_context, each layer's context_kv) too,
-#    and packed_forward makes one RoPE table per base for the context and the rows (since 49b43a7).
+#    packed_forward makes one RoPE table per base for the context and the rows, FrozenHeadCrossEntropy
+#    casts its rows once and joins the chunks' gradients once, and AdamW is fused (all since 49b43a7;
+#    phase 15's step_profile.py in step 3 makes its own optimizer, foreach).
 # 2. the same loop with 82fcb78's code (the drafter's forward compiled, the context's path eager).
 # 3. phase 15's step_profile.py with this code: the step's kernels by group, host time by part.
 # 4. test_compiled_training_follows_eager_on_cuda (train --compile against eager, through compile_drafter)
