@@ -42,8 +42,6 @@ FAMILIES = ["qwen3", "llama", "laguna"]
 FORMATS = ["zlab", "zlab-new", "laguna"]
 settings.register_profile("default", deadline=None, max_examples=25,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.register_profile("thorough", deadline=None, max_examples=300,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile("default")
 torch.set_num_threads(1)   # tiny models: threads only add synchronisation overhead
 
@@ -427,10 +425,11 @@ def block_output(drafter, c, x):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("S", [1, 9])
+@pytest.mark.parametrize("S", [0, 1, 9])
 def test_block_attention_matches_direct_computation(drafters, fmt, S):
     """Cached-context KV injection, masks (bidirectional, causal, windowed), GQA and the gate equal a
-    query-by-query computation, on both sides of the window (context + block ≤ W and > W)."""
+    query-by-query computation, on both sides of the window (block 4, window 4: context + block ≤ W at
+    S = 0, an empty context, and > W at S = 1 and 9)."""
     drafter = drafters("qwen3", fmt, 4)
     c, x = torch.randn(S, H, dtype=torch.float64), torch.randn(4, H, dtype=torch.float64)
     torch.testing.assert_close(block_output(drafter, c, x), naive_block(drafter, c, x), rtol=1e-10, atol=1e-10)
@@ -503,24 +502,28 @@ def test_cache_keyword_is_looked_up_once_per_model_class(targets, drafters):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_drafter_context_is_every_committed_token_but_the_bonus(targets, drafters, fmt):
     """At each draft, the cached context equals a fresh projection of the target's features for all
-    committed tokens before the bonus: the context lags by one, with no gap and no duplicate."""
+    committed tokens before the bonus: the context lags by one, with no gap and no duplicate, after
+    rounds that accept several drafts (drafts from the target's own continuation, two made wrong) as
+    after rounds that accept none."""
     target, drafter, prompt = targets["qwen3"], drafters("qwen3", fmt, 4), [4, 8, 15, 16, 23]
-    real_propose, checked = dflash.propose, []
+    reference = hf_greedy(target, prompt, 30)                      # the target's greedy continuation
+    oracle, checked = oracle_double(reference, len(prompt), {len(prompt) + 4, len(prompt) + 9}), []
 
     def checking_propose(drafter_, ctx, block, target_, count):
-        sequence = prompt + gen_tokens[:ctx.length - len(prompt) + 1]
+        sequence = prompt + reference[:ctx.length - len(prompt) + 1]
         assert sequence[-1] == int(block[0])                      # the bonus is the last committed token
         _, features = forward_with_capture(target, torch.tensor(sequence[:-1]), drafter.config.target_layer_ids)
         fresh = context_of(drafter, drafter.project_context(features))
         for got, want in zip(ctx.keys + ctx.values, fresh.keys + fresh.values):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
         checked.append(ctx.length)
-        return real_propose(drafter_, ctx, block, target_, count)
+        return oracle(drafter_, ctx, block, target_, count)
 
-    gen_tokens = dflash.generate(target, drafter, prompt, 14).tokens
     with mock.patch.object(dflash, "propose", checking_propose):
-        assert dflash.generate(target, drafter, prompt, 14).tokens == gen_tokens
+        gen = dflash.generate(target, drafter, prompt, 14)
+    assert gen.tokens == reference[:14]
     assert checked[0] == len(prompt) and len(checked) > 3
+    assert max(gen.acceptance_lengths) == 4 and min(gen.acceptance_lengths[:-1]) < 4   # whole blocks and less
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -731,7 +734,6 @@ def test_position_counts_add_up(targets, drafters, prompt, wrong_at):
     assert all(a >= b for a, b in zip(gen.position_accepted, gen.position_accepted[1:]))
     assert all(a <= d for a, d in zip(gen.position_accepted, gen.position_drafted))
     assert len(gen.tokens) == 1 + sum(gen.acceptance_lengths)
-    assert gen.tau == pytest.approx(sum(gen.acceptance_lengths) / len(gen.rounds))
 
 
 def test_stop_token_trims_inside_accepted_span(targets, drafters):
@@ -1493,24 +1495,6 @@ def test_fastpath_fills_capacity_exactly_and_refuses_past_it(targets, drafters):
         fastpath.generate(target, drafter, prompt, max_new + 1, capacity=capacity)
     again = fastpath.generate(target, drafter, prompt, max_new, capacity=capacity)
     assert_same_tokens(again.tokens, reference[:max_new])
-
-
-def test_folded_input_norm_equals_norm_then_project(drafters):
-    """Laguna context K/V: input-norm-then-project equals the folded form (norm weight folded into
-    the K/V rows, shared 1/rms applied in fp32) within fp32 tolerance."""
-    layer = laguna(drafters).layers[0]
-    layer32 = dflash.DraftLayer(laguna(drafters).config, 0)
-    layer32.load_state_dict(layer.state_dict())
-    layer32 = layer32.float()
-    c = torch.randn(7, H)
-    _, wk, wv = layer32.self_attn.qkv_proj.weight.split([32, 16, 16])
-    k_plain, v_plain = layer32.input_layernorm(c) @ wk.T, layer32.input_layernorm(c) @ wv.T
-    inv_rms = torch.rsqrt(c.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-    w = layer32.input_layernorm.weight
-    k_fold = (c * inv_rms) @ (wk * w[None]).T
-    v_fold = (c * inv_rms) @ (wv * w[None]).T
-    torch.testing.assert_close(k_fold, k_plain, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(v_fold, v_plain, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -2386,7 +2370,7 @@ def test_batch_decoder_compiled_layers_trace_once_and_equal_eager(tmp_path):
     counter = CompileCounterWithBackend("aot_eager")
     traced.compile(backend=counter)
     assert traced.generate(prompts, 60) == eager.generate(prompts, 60)
-    assert counter.frame_count <= 2 and traced.compiled                            # not one per layer
+    assert counter.frame_count == 2 and traced.compiled                            # not one per layer
     assert traced.generate(prompts, 30, temperature=0.8, seed=2) == eager.generate(prompts, 30, temperature=0.8, seed=2)
 
 
