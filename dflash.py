@@ -63,7 +63,7 @@ class DraftConfig:
     target_layer_ids: list[int]      # 0-based target layers whose outputs are captured
     rope_thetas: list[float]         # per layer: RoPE base
     causal: list[bool]               # per layer: a block row sees only keys at or before its position
-    windows: list[int | None]        # per layer: keys nearer the query than this (before it if causal); None: all
+    windows: list[int | None]        # per layer: keys < this far from the query (none after it if causal); None: all
     gated: bool = False              # per-head softplus gate g_proj before o_proj (Laguna)
     capture_norms: bool = False      # an RMSNorm per captured layer before fc (Laguna's aux_hidden_norms)
     norm_context: bool = False       # each layer's input norm applied to the context before k/v (Laguna)
