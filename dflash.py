@@ -742,7 +742,21 @@ def from_target(path: str, load):
         raise DFlashError(f"--target '{path}': cannot load ({str(err).splitlines()[0]})") from None
 
 
+ROLLBACK_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}   # state is K/V by position
+
+
+def check_target(tcfg):
+    """Refuse a target whose layers keep a state that a rejected draft cannot be taken back from: a
+    rejected block is rolled back by moving the K/V length, which a recurrent layer's state does not
+    have (spec §4: the target's cache must be cropped to the accepted length)."""
+    kinds = {t for t in getattr(tcfg, "layer_types", None) or [] if t not in ROLLBACK_LAYER_TYPES}
+    require(not kinds, f"target: layer_types has {sorted(kinds)} layers (a hybrid model, e.g. Qwen3-Next or "
+            "Qwen3.5): their recurrent state would advance over rejected drafts, and only K/V caches are rolled "
+            "back here; not supported")
+
+
 def load_target(path: str, dtype: torch.dtype, device: str):
+    check_target(target_config(path))
     # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there
     experts = "eager" if device == "cpu" else None
     target = from_target(path, lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=dtype,

@@ -8,10 +8,10 @@ names. Every difference from dflash.py:
   - fixed shapes: a draft block always has W rows and a verify always K+1; positions and the
     number of drafts that may be accepted are device counters. Rows past the accepted ones are
     written too; masks hide them and the next step overwrites them;
-  - fused weights: the drafter's [gate; up] is one matmul, and every layer's context k/v rows are
-    stacked into one matrix, with Laguna's input-norm weight folded into it (the shared 1/rms is
-    applied in fp32); the modules' own weights become views of the fused matrices, so nothing is
-    stored twice;
+  - fused weights: the drafter's [gate; up] is one matmul, the modules' own weights becoming views of
+    the fused matrix; every layer's context k/v rows are stacked into one matrix, with Laguna's
+    input-norm weight folded into it (the shared 1/rms is applied in fp32), a copy that a Decoder
+    checks is still current before each request;
   - the target: dense Llama/Qwen3 stacks run here (`DenseTarget`: fused [q; k; v] and [gate; up],
     K/V in the static buffers); any other target (Laguna's MoE, sliding windows, biases) runs its
     own forward over transformers' static cache (`ModelTarget`), whose capture hooks are registered
@@ -126,6 +126,12 @@ class FusedDrafter:
     gate_up: list[torch.Tensor]  # per layer (2·I, H)  [gate; up], views of the modules' weights
     context_kv: torch.Tensor     # (L·2·hk·d, H)       every layer's k/v rows, input-norm weight folded in
     context_norm: nn.Module      # what is left of the context's input norm: 1/rms (Laguna), else identity
+
+
+def weight_versions(module: nn.Module) -> list[int | None]:
+    """Each parameter's version counter, which every in-place write advances (load_state_dict, an optimizer
+    step); None for an inference tensor, which has none (and cannot be written in place outside inference mode)."""
+    return [None if p.is_inference() else p._version for p in module.parameters()]
 
 
 def fuse_drafter(drafter: Drafter) -> FusedDrafter:
@@ -317,18 +323,23 @@ class ModelTarget:
         self.target, tcfg, w = target, target.config.get_text_config(), target.get_input_embeddings().weight
         self.cache = Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(tcfg.num_hidden_layers)])
         head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
-        self.cache.early_initialization(1, tcfg.num_key_value_heads, head_dim, w.dtype, w.device)
+        kv_heads = getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads   # none given: no GQA
+        self.cache.early_initialization(1, kv_heads, head_dim, w.dtype, w.device)
         self.keys = [layer.keys[0] for layer in self.cache.layers]                      # T × (hk, C, d) views
         self.values = [layer.values[0] for layer in self.cache.layers]
         self.capture = dflash.Capture(target, layer_ids)   # hooks registered once, not inside a compiled step
         self.cache_kwarg = dflash.cache_kwarg(type(target))
+        self.last_position = tcfg.max_position_embeddings - 1
 
     def forward(self, ids, positions):
-        """dflash.target_forward at device positions (N,) -> logits (N, V), features (N, n·H)."""
+        """dflash.target_forward at device positions (N,) -> logits (N, V), features (N, n·H). Near the end
+        of a request the verify's rows past the ones that can be accepted may run past the model's last
+        position; they take that position's id (a model with learned positions has no row past it), and
+        no row that can be accepted sees them."""
         for layer in self.cache.layers:   # each layer's write position: a device copy, no sync
             layer.cumulative_length.copy_(positions[0])
-        out = self.target(input_ids=ids[None], position_ids=positions[None], use_cache=True,
-                          **{self.cache_kwarg: self.cache})
+        out = self.target(input_ids=ids[None], position_ids=positions.clamp(max=self.last_position)[None],
+                          use_cache=True, **{self.cache_kwarg: self.cache})
         return out.logits[0], self.capture.features()[0] if self.capture.layer_ids else None
 
     def close(self):
@@ -607,10 +618,14 @@ def uncapturable(err: Exception) -> bool:
 class Decoder:
     """The static buffers, fused weights and (on CUDA) captured graphs of one target/drafter pair at one
     capacity, K, compute width and sampling setting. Callers hold it for as many requests as they like,
-    and close() it to remove the target's capture hooks."""
+    and close() it to remove the target's capture hooks. The drafter's context k/v rows are copied when
+    it is built (fuse_drafter): a drafter whose weights change afterwards needs a new Decoder, and
+    generate() refuses to run with the old one."""
 
     def __init__(self, target, drafter: Drafter | None, capacity: int, num_drafts: int, full_block: bool = True,
                  sampling: Sampling = Sampling()):
+        dflash.require(drafter is not None or num_drafts == 0, f"fastpath.Decoder: num_drafts = {num_drafts} "
+                       "without a drafter (target-only decoding drafts nothing: 0)")
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.capacity, self.K = capacity, num_drafts
         self.device, K = target.get_input_embeddings().weight.device, num_drafts
@@ -620,7 +635,7 @@ class Decoder:
         ctx_keys = ctx_values = []
         if drafter is not None:
             cfg = drafter.config
-            self.fused = fuse_drafter(drafter)
+            self.fused, self.drafter_versions = fuse_drafter(drafter), weight_versions(drafter)
             width = cfg.block_size if full_block else K + 1
             self.mask_ids = torch.full((width - 1,), cfg.mask_token_id, device=self.device)   # (W-1,)
             shape, like = (cfg.num_kv_heads, capacity + width, cfg.head_dim), drafter.fc.weight   # + the block
@@ -726,6 +741,9 @@ class Decoder:
         uniforms, so sampled runs match too. A request past the capacity is refused before anything
         is written."""
         K, buf = self.K, self.buf
+        dflash.require(self.drafter is None or weight_versions(self.drafter) == self.drafter_versions,
+                       "fastpath.Decoder: the drafter's weights changed after this Decoder was built, and it holds "
+                       "a copy of their context k/v rows; build a new Decoder")
         dflash.check_request(prompt_ids, max_new_tokens, K, **dflash.request_limits(self.target, self.drafter))
         dflash.require(len(prompt_ids) + max_new_tokens + K <= self.capacity, f"prompt + --max-new-tokens + K = "
                        f"{len(prompt_ids)} + {max_new_tokens} + {K} exceeds the buffer capacity {self.capacity}")

@@ -1425,6 +1425,61 @@ def test_held_decoder_serves_many_requests_and_close_removes_its_hooks(targets, 
     assert [dict(layer._forward_hooks) for layer in layers] == before
 
 
+def test_held_decoder_refuses_a_drafter_whose_weights_changed(targets, drafters):
+    """A Decoder holds a copy of the drafter's context k/v rows: once the drafter's weights change
+    (load_state_dict), generate() refuses with a message rather than draft from old and new weights at
+    once, and a new Decoder gives what dflash.py gives. A target-only Decoder with drafts is refused."""
+    import copy
+    target, drafter = targets["qwen3"], copy.deepcopy(drafters("qwen3", "zlab", 4))
+    prompt = [5, 3, 9, 2]
+    with closing(fastpath.Decoder(target, drafter, 32, 3)) as dec:
+        assert dec.generate(prompt, 12).rounds == dflash.generate(target, drafter, prompt, 12, num_drafts=3).rounds
+        drafter.load_state_dict({name: torch.randn_like(p) for name, p in drafter.state_dict().items()})
+        with pytest.raises(DFlashError, match="the drafter's weights changed after this Decoder was built"):
+            dec.generate(prompt, 12)
+    with closing(fastpath.Decoder(target, drafter, 32, 3)) as dec:
+        assert dec.generate(prompt, 12).rounds == dflash.generate(target, drafter, prompt, 12, num_drafts=3).rounds
+    with pytest.raises(DFlashError, match=r"num_drafts = 3 without a drafter \(target-only decoding drafts nothing"):
+        fastpath.Decoder(target, None, 32, 3)
+
+
+def test_fastpath_runs_a_learned_position_target_to_its_last_position(tmp_path):
+    """A target with learned position embeddings and no num_key_value_heads in its config (GPT-2, through
+    its own forward): with the request ending at its last position, the verify's rows past what can be
+    accepted run past that position; fastpath still gives dflash.py's tokens and rounds (float64)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=H, n_layer=T_LAYERS, n_head=4,
+                                                bos_token_id=None, eos_token_id=None)).save_pretrained(tmp_path / "gpt2")
+    target = dflash.load_target(str(tmp_path / "gpt2"), torch.float64, "cpu")
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=6)), target, torch.float64, "cpu")
+    prompt = [5, 6, 7, 8, 9, 10]
+    want = dflash.generate(target, drafter, prompt, 32 - len(prompt), num_drafts=5)
+    got = fastpath.generate(target, drafter, prompt, 32 - len(prompt), num_drafts=5)
+    assert len(want.tokens) == 26 and (got.tokens, got.rounds) == (want.tokens, want.rounds)
+
+
+def test_a_target_with_recurrent_layers_is_refused(tmp_path, capsys):
+    """A hybrid target (Qwen3-Next: linear-attention layers between the attention ones) keeps a recurrent
+    state that a rejected draft cannot be taken back from: loading it ends in one line naming its layer
+    types, exit code 2, before its weights load."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=64, num_hidden_layers=T_LAYERS,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32, linear_num_value_heads=2, linear_num_key_heads=2,
+                          linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=2)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hybrid")
+    draft = write_drafter(tmp_path / "d", "zlab")
+    with mock.patch.object(dflash.AutoModelForCausalLM, "from_pretrained") as load, pytest.raises(SystemExit) as exit:
+        dflash.run_cli(dflash.main, argv=spec_args(str(tmp_path / "hybrid"), draft))
+    assert exit.value.code == 2 and not load.called
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: target: layer_types has ['linear_attention'] layers (a hybrid model, e.g. Qwen3-Next or Qwen3.5): "
+        "their recurrent state would advance over rejected drafts, and only K/V caches are rolled back here; "
+        "not supported")
+
+
 def test_only_an_uncapturable_step_falls_back_to_eager(targets, drafters, capsys):
     """Graph capture that fails the way a data-dependent step fails (dynamo cannot trace it, or a host
     read during capture) makes the step run eagerly with a message and the same tokens; any other
