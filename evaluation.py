@@ -178,6 +178,7 @@ def fastpath_generate(stack: ExitStack, target, drafter, capacity: int, K: int, 
 
 def main(argv=None):
     args = parse_args(argv)
+    dflash.require(args.limit is None or args.limit >= 1, f"--limit = {args.limit} must be at least 1")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -215,7 +216,8 @@ def main(argv=None):
             print(f"{name}: {r['prompts']} prompts, τ {r['tau']:.2f}, speedup {r['speedup']:.2f}x "
                   f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), {verdict}",
                   file=sys.stderr)
-            (out / "eval.json").write_text(json.dumps(report, indent=1))   # after each dataset: a cut run keeps them
+            # after each dataset, and in one step: a cut run keeps the datasets before
+            train.replace_file(out / "eval.json", lambda p: p.write_text(json.dumps(report, indent=1)))
     plotted = plot_eval(report["datasets"], out / "eval.png")
     print(f"-> {out / 'eval.json'}" + (f", {out / 'eval.png'}" if plotted else " (no matplotlib: no plot)"),
           file=sys.stderr)

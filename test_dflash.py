@@ -1065,6 +1065,19 @@ BAD_FLAGS = {
                                "[1, 2, 2, 2, 3] for a 6-layer target; use 1..3"),
     "train --batch-size 0": ("train.py", TRAIN + ["--batch-size", "0"], "--batch-size = 0 must be at least 1"),
     "train --lr 0": ("train.py", TRAIN + ["--lr", "0"], "--lr = 0.0 must be positive"),
+    "train --gamma -2": ("train.py", TRAIN + ["--gamma", "-2"], "--gamma = -2.0 must be positive (the loss weights "
+                         "exp(-(k-1)/γ) fall with the block row k)"),
+    "train --warmup -1": ("train.py", TRAIN + ["--warmup", "-1"],
+                          "--warmup = -1.0 must be a fraction of the steps in [0, 1)"),
+    "train --num-features 0": ("train.py", TRAIN + ["--num-features", "0"], "--num-features = 0 must be at least 1"),
+    "train --heldout-tokens too few": ("train.py", TRAIN + ["--heldout-tokens", "2"], "held-out sequences of "
+                                       "{data}: none has a response of at least block_size = 4 tokens "
+                                       "(--heldout-tokens = 2)"),
+    "train --init, another --block-size": ("train.py", TRAIN + ["--init", "{d}", "--block-size", "8"],
+                                           "--block-size = 8 but the --init drafter's is 4: a checkpoint keeps its "
+                                           "block, mask id and features (leave the flag out)"),
+    "evaluation --limit -3": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--limit",
+                                                "-3"], "--limit = -3 must be at least 1"),
     "train --time-budget 0": ("train.py", TRAIN + ["--time-budget", "0"], "--time-budget = 0.0 must be positive"),
     "train --data missing": ("train.py", TRAIN + ["--data", "{tmp}/nowhere.pt"],
                              "--data: no such file: {tmp}/nowhere.pt"),
@@ -1101,7 +1114,7 @@ def catalog_paths(checkpoints, tiny, tmp_path_factory):
 
 def cli_main(script):
     return {"dflash.py": dflash.main, "fastpath.py": lambda argv: dflash.main(argv, generate_fn=fastpath.generate),
-            "train.py": train.main}[script]
+            "train.py": train.main, "evaluation.py": evaluation.main}[script]
 
 
 @pytest.mark.parametrize("case", CATALOG)
@@ -2980,6 +2993,10 @@ def test_heldout_split_keeps_every_answer_to_a_heldout_prompt_out_of_training():
     assert held == [11, 12] and heldout == [seqs[1], seqs[2]] and training == [seqs[0], seqs[3]]
     with pytest.raises(DFlashError, match=r"--heldout = 3 must be in 0\.\.2"):
         train.heldout_split(seqs, meta, 3)
+    sampled = {"prompt_indices": [10, 11, 12], "temperatures": [0.8] * 3}   # only sampled answers: none to hold out
+    assert train.heldout_split(seqs[3:], sampled, 0) == (seqs[3:], [], [])
+    with pytest.raises(DFlashError, match=r"--heldout = 1 must be in 0\.\.0 \(x has 0 greedy answers\)"):
+        train.heldout_split(seqs[3:], sampled, 1, "x")
 
 
 def test_heldout_tokens_cut_each_answer_after_its_prompt():
@@ -3267,6 +3284,36 @@ def test_grown_drafter_starts_where_its_checkpoint_stands(tiny, tmp_path):
         in fewer.stderr and "Traceback" not in fewer.stderr
 
 
+def test_ctrl_c_during_a_heldout_estimate_keeps_the_steps(tiny, monkeypatch):
+    """A Ctrl-C while a held-out estimate runs ends training there: every step taken is in the history,
+    the last marked interrupted and without an estimate, and the estimate is not run again on the way out."""
+    _, target, sequences = tiny
+    _, drafter = fresh_drafter(target, block_size=4, num_layers=1)
+    real_entry, calls = train.heldout_entry, []
+
+    def estimate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_entry(*args, **kwargs)
+
+    monkeypatch.setattr(train, "heldout_entry", estimate)
+    history = train.train(target, drafter, sequences[:-4], sequences[-4:], train.TrainConfig(
+        batch_size=4, anchors=8, eval_every=2, max_steps=6), progress=False)
+    assert [h["step"] for h in history] == [1, 2, 3, 4] and len(calls) == 2
+    assert "heldout_tau" in history[1] and "heldout_tau" not in history[3] and history[3]["interrupted"]
+
+
+def test_a_spent_time_budget_ends_the_run_with_an_estimate(tiny):
+    """A step that ends past --time-budget ends the run there, however early, and that last step still
+    gets its held-out estimate."""
+    _, target, sequences = tiny
+    _, drafter = fresh_drafter(target, block_size=4, num_layers=1)
+    history = train.train(target, drafter, sequences[:-4], sequences[-4:], train.TrainConfig(
+        batch_size=4, anchors=8, eval_every=100, max_steps=10, time_budget=1e-3), progress=False)
+    assert len(history) == 1 and "heldout_tau" in history[-1]
+
+
 def test_train_saves_the_drafter_at_each_heldout_estimate(tiny, tmp_path, monkeypatch):
     """While `train.py train` runs, --out holds the drafter as of its latest held-out estimate, with a
     training.json whose history ends there (`snapshot` true), so that a run cut short keeps that point:
@@ -3544,6 +3591,24 @@ def test_distill_refuses_a_skip_past_the_prompts(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().endswith("error: --skip-prompts = 2 leaves no prompts (2 in two prompts)")
     assert not (tmp_path / "d.pt").exists()
+
+
+@pytest.mark.package
+def test_distill_resume_refuses_answers_from_another_source(tmp_path):
+    """`distill --resume` keeps going only on the answers of the same prompts and target: answers made from
+    another prompt file, whose indices would match, are refused with one line rather than taken as done."""
+    for name, texts in (("a", ["Hi", "Hello"]), ("b", ["Name a colour.", "Count to three."])):
+        train.write_prompt_file(tmp_path / f"{name}.json.xz", texts, [0, 1], {"source": f"prompts {name}",
+                                                                             "max_prompt_tokens": 256})
+    common = ["--target", str(offline.ensure_smollm2()), "--out", str(tmp_path / "d.pt"), "--max-new-tokens", "4",
+              "--device", "cpu"]
+    first = run_train_cli("distill", "--prompts", str(tmp_path / "a.json.xz"), *common)
+    assert first.returncode == 0, first.stderr
+    again = run_train_cli("distill", "--prompts", str(tmp_path / "b.json.xz"), "--resume", *common)
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert again.stderr.strip().endswith(f"error: --resume: {tmp_path / 'd.pt'} has source = prompts a, this run "
+                                         "prompts b")
+    assert len(train.load_sequences(tmp_path / "d.pt")[0]) == 2
 
 
 @pytest.mark.package

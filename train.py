@@ -1093,8 +1093,9 @@ def lr_factor(step: int, total: int, warmup_steps: int) -> float:
 
 
 def refit_now(step: int) -> bool:
-    """Steps at which a time-budgeted schedule is refitted: early, then every 250 as the pace settles."""
-    return step in (25, 100) or step % 250 == 0
+    """Steps at which a time-budgeted schedule is refitted: early, then every 250 as the pace settles
+    (and any step that ends past the budget)."""
+    return step in (5, 25, 100) or step % 250 == 0
 
 
 def fit_to_budget(plan: dict, step: int, elapsed: float, cfg: TrainConfig, bar, overhead: float = 0.0):
@@ -1186,9 +1187,10 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     # next step is queued behind it, so the next batch is built while the GPU runs (reads_back_late).
     # A step's seconds run from the end of the step before it to its own end.
     late, queued, ended = reads_back_late(device), None, t0   # the step queued and not yet read back: (entry, loss, blocks, FLOPs); when the last ended
+    before = None   # the step before it, while it is read back
     bar = tqdm(total=plan["total"], desc="train", unit="step", disable=not progress)
 
-    def read_back(pending):
+    def read_back(pending, estimate_allowed=True):
         nonlocal ended, overhead, tau
         entry, loss, drawn, flops = pending
         entry["loss"] = loss.item()   # waits for the step (a StepLoss: for this step only)
@@ -1197,19 +1199,20 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         if entry["step"] == 1:
             overhead += seconds
         entry |= {"blocks": drawn, "blocks_per_s": drawn / seconds, "tflops": flops / seconds / 1e12}
-        estimate = (heldout or more_heldout) and (entry["step"] % cfg.eval_every == 0 or entry["step"] == plan["total"])
+        history.append(entry)   # before its estimate: a Ctrl-C during the estimate keeps the step
+        elapsed = now - t0
+        if cfg.time_budget and (refit_now(entry["step"]) or elapsed > cfg.time_budget):   # before deciding on
+            fit_to_budget(plan, step, elapsed, cfg, bar, overhead)   # an estimate: a run cut here ends with one
+        estimate = estimate_allowed and (heldout or more_heldout) and (
+            entry["step"] % cfg.eval_every == 0 or entry["step"] == plan["total"])
         if estimate:
             drafter.eval()
             entry |= heldout_entry(target, drafter, heldout, more_heldout, cfg.batch_size)
             tau = entry.get("heldout_tau", tau)
-        history.append(entry)
-        if estimate:
             if on_estimate and entry["step"] < plan["total"]:
                 on_estimate(history)
             drafter.train()
             ended = time.perf_counter()
-        if cfg.time_budget and refit_now(entry["step"]):
-            fit_to_budget(plan, step, time.perf_counter() - t0, cfg, bar, overhead)
         bar.update(1)
         bar.set_postfix(loss=f"{entry['loss']:.3f}", blocks_s=f"{entry['blocks_per_s']:.0f}",
                         tflops=f"{entry['tflops']:.0f}", tau="-" if tau is None else f"{tau:.2f}")
@@ -1264,8 +1267,9 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         if queued:
             read_back(queued)
     except KeyboardInterrupt:
-        if queued:
-            read_back(queued)
+        for pending in (before, queued):   # steps the Ctrl-C left out of the history, without an estimate
+            if pending and not any(entry is pending[0] for entry in history):
+                read_back(pending, estimate_allowed=False)
         if history:
             history[-1]["interrupted"] = True
         print(f"\ninterrupted at step {step}", file=sys.stderr)
@@ -1442,7 +1446,8 @@ def write_prompt_file(path: Path, prompts: list[str], indices: list[int], meta: 
     import lzma
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(lzma.compress(json.dumps({**meta, "prompts": prompts, "indices": indices}).encode()))
+    replace_file(path, lambda p: p.write_bytes(lzma.compress(json.dumps({**meta, "prompts": prompts,
+                                                                         "indices": indices}).encode())))
 
 
 def read_prompt_file(path: Path) -> tuple[list[str], list[int], dict]:
@@ -1533,7 +1538,9 @@ def cmd_distill(args):
     sequences, done, temperatures = [], [], []   # per sequence: its prompt's index and temperature
     if args.resume and out.exists():
         sequences, old = load_sequences(out)
-        for key in ("max_new_tokens", "max_prompt_tokens"):
+        dflash.require("prompt_indices" in old, f"--resume: {out} does not say which prompts it answered "
+                       "(no prompt_indices: not written by train.py distill)")
+        for key in ("target", "source", "max_new_tokens", "max_prompt_tokens"):   # indices mean nothing across sources
             if old.get(key) != meta[key]:
                 raise DFlashError(f"--resume: {out} has {key} = {old.get(key)}, this run {meta[key]}")
         done = list(old["prompt_indices"])
@@ -1584,8 +1591,8 @@ def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str
     indices = meta.get("prompt_indices") or list(range(len(sequences)))
     temperatures = meta.get("temperatures") or [0.0] * len(sequences)
     greedy = [k for k, t in enumerate(temperatures) if t == 0]
-    dflash.require(0 <= count < len(greedy), f"--heldout = {count} must be in 0..{len(greedy) - 1} ({source} has "
-                   f"{len(greedy)} greedy answers)")
+    dflash.require(count == 0 or count < len(greedy), f"--heldout = {count} must be in 0..{max(len(greedy) - 1, 0)} "
+                   f"({source} has {len(greedy)} greedy answers)")
     held = greedy[len(greedy) - count:]
     held_prompts = {indices[k] for k in held}
     training = [seq for k, seq in enumerate(sequences) if indices[k] not in held_prompts]
@@ -1614,6 +1621,11 @@ def cmd_train(args):
                      "heldout_tokens")
     dflash.require(min(args.pad_shapes) >= 1, f"--pad-shapes = {' '.join(map(str, args.pad_shapes))} must be ≥ 1")
     dflash.require(args.lr > 0, f"--lr = {args.lr} must be positive")
+    dflash.require(args.gamma is None or args.gamma > 0, f"--gamma = {args.gamma} must be positive (the loss "
+                   "weights exp(-(k-1)/γ) fall with the block row k)")
+    dflash.require(0 <= args.warmup < 1, f"--warmup = {args.warmup} must be a fraction of the steps in [0, 1)")
+    dflash.require(args.weight_decay >= 0, f"--weight-decay = {args.weight_decay} must be ≥ 0")
+    require_at_least(args, 1, "num_features")
     dflash.require(args.time_budget is None or args.time_budget > 0,
                    f"--time-budget = {args.time_budget} must be positive")
     dflash.require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
@@ -1665,6 +1677,12 @@ def cmd_train(args):
     if args.init:   # continue training a checkpoint: its config wins over the shape flags, but --layers may grow it
         raw = {k: v for k, v in dflash.read_file(Path(args.init) / "config.json", "draft config").items() if k != "dtype"}
         drafter = dflash.load_drafter(args.init, target, torch.float32, device)
+        kept = {"block_size": drafter.config.block_size, "mask_token_id": drafter.config.mask_token_id,
+                "num_features": len(drafter.config.target_layer_ids)}
+        for name, value in kept.items():   # a checkpoint keeps its shape; only --layers may grow it
+            given = getattr(args, name)
+            dflash.require(given in (None, value), f"--{name.replace('_', '-')} = {given} but the --init drafter's is "
+                           f"{value}: a checkpoint keeps its block, mask id and features (leave the flag out)")
         if args.layers not in (None, drafter.config.num_layers):
             grown_from = drafter.config.num_layers
             drafter, raw = grown(target, drafter, raw, args.layers)
@@ -1673,6 +1691,7 @@ def cmd_train(args):
         args.layers, args.block_size = drafter.config.num_layers, drafter.config.block_size
     else:
         args.layers = 2 if args.layers is None else args.layers
+        args.block_size = 16 if args.block_size is None else args.block_size
         raw = new_drafter_config(target, args.layers, args.block_size, mask_token_id,
                                  args.num_features or default_num_features(T))
         drafter = new_drafter(target, raw)
@@ -1681,6 +1700,10 @@ def cmd_train(args):
           f"block {args.block_size}, mask id {drafter.config.mask_token_id}, target layers {layer_ids}; "
           f"{len(training)} training sequences, {len(heldout)} held out"
           + "".join(f", {len(held)} from {path}" for path, held in more_heldout.items()), file=sys.stderr)
+    for name, held in [(args.data[0], heldout)] + list(more_heldout.items()):   # before training, not at its end
+        dflash.require(not held or any(len(q.ids) - q.prompt_len >= args.block_size for q in held),
+                       f"held-out sequences of {name}: none has a response of at least block_size = {args.block_size} "
+                       f"tokens (--heldout-tokens = {args.heldout_tokens})")
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
@@ -1778,7 +1801,7 @@ def parse_args(argv=None):
                    "answers come from the first file, and every answer in the others trains (but those to a "
                    "held-out prompt)")
     s.add_argument("--out", required=True, help="drafter checkpoint dir to write")
-    s.add_argument("--block-size", type=int, default=16, help="B: bonus + B-1 drafts")
+    s.add_argument("--block-size", type=int, help="B: bonus + B-1 drafts (default 16)")
     s.add_argument("--layers", type=int, help="drafter layers (default 2); with --init, more than the checkpoint's "
                    "appends new layers that start at zero output, so training starts from the checkpoint's drafts")
     s.add_argument("--init", help="start from this drafter checkpoint instead of a fresh one (continued training)")
