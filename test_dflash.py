@@ -3284,6 +3284,26 @@ def test_grown_drafter_starts_where_its_checkpoint_stands(tiny, tmp_path):
         in fewer.stderr and "Traceback" not in fewer.stderr
 
 
+def test_save_drafter_killed_midway_leaves_the_old_drafter_whole(tiny, tmp_path, monkeypatch):
+    """A save killed while it writes (Ctrl-C, a machine taken back) leaves the drafter that was there, its
+    config with its own weights, and no half-written file in their place."""
+    import safetensors.torch
+    target = tiny[1]
+    raw4, drafter4 = fresh_drafter(target, block_size=4)
+    raw6, drafter6 = fresh_drafter(target, block_size=6)
+    train.save_drafter(drafter4, raw4, tmp_path / "d", torch.float32)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir()}
+
+    def killed(tensors, path):
+        Path(path).write_bytes(b"half")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_drafter(drafter6, raw6, tmp_path / "d", torch.float32)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir() if p.suffix != ".part"} == before
+    assert dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu").config.block_size == 4
+
+
 def test_ctrl_c_during_a_heldout_estimate_keeps_the_steps(tiny, monkeypatch):
     """A Ctrl-C while a held-out estimate runs ends training there: every step taken is in the history,
     the last marked interrupted and without an estimate, and the estimate is not run again on the way out."""

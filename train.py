@@ -440,12 +440,20 @@ def grown(target, drafter: Drafter, raw: dict, num_layers: int) -> tuple[Drafter
     return bigger.to(next(drafter.parameters()).dtype), raw
 
 
+def replace_files(writes: dict):
+    """{path: write}: each write(p) to a file beside its path, and only once all are written each moved into
+    place in one step: a reader (a copy taken while training goes on) sees the old file or the new one,
+    never half of one, and a run killed while writing leaves the old set whole."""
+    parts = {path: path.with_name(path.name + ".part") for path in writes}
+    for path, write in writes.items():
+        write(parts[path])
+    for path, part in parts.items():
+        os.replace(part, path)
+
+
 def replace_file(path: Path, write):
-    """write(p) a file beside `path`, then move it into place in one step: a reader (a copy taken while
-    training goes on) sees the old file or the new one, never half of one."""
-    part = path.with_name(path.name + ".part")
-    write(part)
-    os.replace(part, path)
+    """replace_files for one file."""
+    replace_files({path: write})
 
 
 def save_drafter(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtype):
@@ -454,9 +462,10 @@ def save_drafter(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtyp
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = json.dumps({**raw, "dtype": str(dtype).removeprefix("torch.")}, indent=2)
-    replace_file(directory / "config.json", lambda p: p.write_text(config))
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in dflash.checkpoint_tensors(drafter).items()}
-    replace_file(directory / "model.safetensors", lambda p: save_file(tensors, p))
+    # both written before either moves: a kill midway never leaves one drafter's config with another's weights
+    replace_files({directory / "model.safetensors": lambda p: save_file(tensors, p),
+                   directory / "config.json": lambda p: p.write_text(config)})
 
 
 # -----------------------------------------------------------------------------
