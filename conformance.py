@@ -57,6 +57,9 @@ STAGES = {
     "ctx_values": ("(hk, S, d)", 1e-4, "layer 0's context values: no input norm on the context (Laguna)"),
 }
 TOKENS_PITFALL = "the commit: the bonus token, stop handling, or trimming at max_new_tokens"
+ACCEPTANCE_PITFALL = ("verification in the rounds past the recorded ones: the comparison with the target's "
+                      "choice, the rejection rule, or the number of drafts near max_new_tokens")
+WHOLE_RUN = ("acceptance_lengths", "tokens")   # values of the whole generation, checked after the rounds' stages
 
 CASES = {
     "zlab-qwen3": dict(
@@ -231,7 +234,8 @@ def record_reference(target, drafter, request: dict, generate=None):
         patches.enter_context(mock.patch.object(d.Drafter, "project_context", project_context))
         gen = (generate or d.generate)(target, drafter, request["prompt_ids"], request["max_new_tokens"],
                                        **generate_kwargs(request))
-    return rec.values | {"tokens": torch.tensor(gen.tokens)}, gen, rec
+    return rec.values | {"tokens": torch.tensor(gen.tokens),
+                         "acceptance_lengths": torch.tensor(gen.acceptance_lengths)}, gen, rec
 
 
 def record_fastpath(target, drafter, request: dict) -> dict:
@@ -292,7 +296,7 @@ def record_fastpath(target, drafter, request: dict) -> dict:
             patches.enter_context(mock.patch.object(cls, "forward", forward_of(cls)))
         gen = f.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"],
                          **generate_kwargs(request))
-    return rec.values | {"tokens": torch.tensor(gen.tokens)}
+    return rec.values | {"tokens": torch.tensor(gen.tokens), "acceptance_lengths": torch.tensor(gen.acceptance_lengths)}
 
 
 def generate_kwargs(request: dict) -> dict:
@@ -352,7 +356,8 @@ def write_case(root: Path, name: str, case: dict, seed: int):
             "tokens": {"shape": "(T,)", "tolerance": 0, "pitfall": TOKENS_PITFALL},
             "tau": gen.tau, "acceptance_lengths": gen.acceptance_lengths}
     (directory / "case.json").write_text(json.dumps(spec, indent=1))
-    save_file(values, directory / "expected.safetensors", metadata={"format": "pt"})
+    staged = {k: v for k, v in values.items() if k != "acceptance_lengths"}   # case.json holds them
+    save_file(staged, directory / "expected.safetensors", metadata={"format": "pt"})
 
 
 def write_kit(root: Path = KIT):
@@ -364,11 +369,11 @@ def write_kit(root: Path = KIT):
 # Checking a dump
 
 def stage_order(keys) -> list[str]:
-    """The keys in the order a decode computes them: by round, then by stage; tokens last."""
+    """The keys in the order a decode computes them: by round, then by stage; the whole run's last."""
     order = list(STAGES)
-    staged = sorted((k for k in keys if k != "tokens"),
+    staged = sorted((k for k in keys if k not in WHOLE_RUN),
                     key=lambda k: (int(k.rsplit(".", 1)[1]), order.index(k.rsplit(".", 1)[0])))
-    return staged + (["tokens"] if "tokens" in keys else [])
+    return staged + [k for k in WHOLE_RUN if k in keys]
 
 
 def first_difference(got: torch.Tensor, want: torch.Tensor, tolerance: float):
@@ -392,12 +397,14 @@ def check(case_dir: Path, dump: dict) -> dict:
     differs and its pitfall."""
     case_dir = Path(case_dir)
     spec = dflash.read_file(case_dir / "case.json", "conformance case")
-    expected = load_file(case_dir / "expected.safetensors")
+    expected = load_file(case_dir / "expected.safetensors") | {
+        "acceptance_lengths": torch.tensor(spec["acceptance_lengths"])}
+    whole_run = {"tokens": spec["tokens"], "acceptance_lengths": {"tolerance": 0, "pitfall": ACCEPTANCE_PITFALL}}
     unknown = sorted(set(dump) - set(expected))
     results, first = {}, None
     for key in stage_order(expected):
-        stage = key.rsplit(".", 1)[0] if key != "tokens" else "tokens"
-        info = spec["stages"].get(stage, spec["tokens"])
+        stage = key if key in WHOLE_RUN else key.rsplit(".", 1)[0]
+        info = whole_run[key] if key in WHOLE_RUN else spec["stages"][stage]
         if key not in dump:
             results[key] = "missing"
             continue
@@ -405,7 +412,8 @@ def check(case_dir: Path, dump: dict) -> dict:
         results[key] = "ok" if diff is None else diff
         if diff is not None and first is None:
             first = {"key": key, "stage": stage, "difference": diff, "pitfall": info["pitfall"]}
-    return {"case": spec["case"], "results": results, "first": first, "unknown": unknown}
+    compared = sum(outcome != "missing" for outcome in results.values())
+    return {"case": spec["case"], "results": results, "first": first, "unknown": unknown, "compared": compared}
 
 
 def report(result: dict) -> str:
@@ -421,8 +429,12 @@ def report(result: dict) -> str:
     if result["unknown"]:
         lines.append(f"  not in the kit (ignored): {result['unknown']}")
     first = result["first"]
-    lines.append("conforms: every stage given matches" if first is None else
-                 f"first difference: {first['key']} ({first['stage']}); usually {first['pitfall']}")
+    if not result["compared"]:
+        lines.append("nothing compared: the dump holds none of the case's keys ('<stage>.<round>', tokens, "
+                     "acceptance_lengths)")
+    else:
+        lines.append("conforms: every stage given matches" if first is None else
+                     f"first difference: {first['key']} ({first['stage']}); usually {first['pitfall']}")
     return "\n".join(lines)
 
 
@@ -460,7 +472,7 @@ def main(argv=None):
     dump = dflash.read_file(Path(args.dump), "dump", load_file)
     result = check(directory, dump)
     print(report(result))
-    if result["first"] is not None:
+    if result["first"] is not None or not result["compared"]:
         sys.exit(1)
 
 

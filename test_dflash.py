@@ -3664,7 +3664,9 @@ def test_conformance_kit_regenerates_to_the_committed_files(tmp_path):
             for file in ("config.json", "model.safetensors"):
                 assert (fresh / part / file).read_bytes() == (committed / part / file).read_bytes(), (name, part, file)
         assert json.loads((fresh / "case.json").read_text()) == json.loads((committed / "case.json").read_text())
-        result = conformance.check(committed, load_file(fresh / "expected.safetensors"))
+        dump = load_file(fresh / "expected.safetensors") | {"acceptance_lengths": torch.tensor(
+            json.loads((fresh / "case.json").read_text())["acceptance_lengths"])}
+        result = conformance.check(committed, dump)
         assert result["first"] is None and "missing" not in result["results"].values(), name
 
 
@@ -3720,6 +3722,19 @@ def shifted_readout(target, drafter, request):
         return conformance.record_reference(target, drafter, request)[0]
 
 
+def rejects_after_the_recorded_rounds(target, drafter, request):
+    """A port whose verification accepts nothing after the rounds the kit records: its greedy tokens are
+    the same, only its acceptance differs."""
+    real_verify, calls = dflash.verify, [0]
+
+    def verify(drafts, logits, sampling, uniforms):
+        calls[0] += 1   # the prefill's, then one a round
+        late = calls[0] > conformance.ROUNDS + 1
+        return real_verify(drafts[:0] if late else drafts, logits[:1] if late else logits, sampling, uniforms)
+    with mock.patch.object(dflash, "verify", verify):   # patched first, so the recorder wraps it
+        return conformance.record_reference(target, drafter, request)[0]
+
+
 def with_drafter_change(change):
     def run(target, drafter, request):
         change(drafter)
@@ -3747,6 +3762,8 @@ BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must nam
     "no window": ("laguna", with_drafter_change(set_each_layer(window=None)), "hidden", "no window"),
     "missing Laguna per-capture norm": ("laguna", with_drafter_change(lambda d: setattr(d, "aux_hidden_norms", None)),
                                         "context", "per-capture norm"),
+    "no acceptance after the recorded rounds": ("laguna", rejects_after_the_recorded_rounds, "acceptance_lengths",
+                                                "rounds past the recorded ones"),
     "no input norm on the context K/V": ("laguna", with_drafter_change(
         lambda d: [setattr(layer, "context_norm", torch.nn.Identity()) for layer in d.layers]),
         "ctx_keys", "no input norm"),
@@ -3767,7 +3784,8 @@ def test_checker_names_the_stage_each_pitfall_breaks(pitfall):
 
 def test_checker_takes_any_subset_and_the_cli_reports_it(tmp_path):
     """A dump of a few stages is checked on those alone (the rest reported missing); the CLI exits 0 when
-    they match and 1 when one differs, naming it; an unknown case is one error line, exit 2."""
+    they match and 1 when one differs, naming it, or when it holds none of the case's keys (misnamed); an
+    unknown case is one error line, exit 2."""
     target, drafter, spec = conformance.load_case(conformance.KIT / "laguna")
     full = conformance.record_fastpath(target, drafter, spec["request"])
     subset = {k: v for k, v in full.items() if k.startswith(("drafts.", "accepted.")) or k == "tokens"}
@@ -3779,6 +3797,9 @@ def test_checker_takes_any_subset_and_the_cli_reports_it(tmp_path):
     save_file(subset, tmp_path / "bad.safetensors")
     bad = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "laguna", script="conformance.py")
     assert bad.returncode == 1 and "first difference: drafts.2 (drafts); usually the readout" in bad.stdout
+    save_file({f"drafts_{k.replace('.', '_')}": v for k, v in subset.items()}, tmp_path / "misnamed.safetensors")
+    misnamed = run_cli("check", str(tmp_path / "misnamed.safetensors"), "--case", "laguna", script="conformance.py")
+    assert misnamed.returncode == 1 and "nothing compared: the dump holds none of the case's keys" in misnamed.stdout
     unknown = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "nope", script="conformance.py")
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines()[-1].startswith(
         "error: --case = 'nope' is not in ")
