@@ -83,9 +83,11 @@ CASES = {
         about="K = 3 < B - 1 = 7, the drafter computing K+1 rows", target="qwen3", fmt="zlab", block_size=8,
         layers=2, layer_ids=[1, 3, 4], prompt_len=5, max_new_tokens=20, num_drafts=3, full_block=False),
     "sampled": dict(
-        about="sampled at T 0.9, top-p 0.95: the stored uniforms decide every accept and draw",
+        about="sampled at T 0.8, top-p 0.9, top-k 5, from a target whose LM head is not scaled up, so that "
+              "its distributions are wide: the stored uniforms decide the accepts and draws, and the output "
+              "is not its greedy decode",
         target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=6,
-        max_new_tokens=24, temperature=0.9, top_p=0.95, seed=11),
+        max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=5, seed=11, head_scale=1.0),
 }
 
 
@@ -107,22 +109,23 @@ def target_config(family: str) -> dict:
             "shared_expert_intermediate_size": 32}
 
 
-def seeded(shape, name: str, generator) -> torch.Tensor:
-    """Norms near 1, matrices with unit-variance outputs; the target's LM head 4x, so argmaxes are clear."""
+def seeded(shape, name: str, generator, head_scale: float = 4.0) -> torch.Tensor:
+    """Norms near 1, matrices with unit-variance outputs; the target's LM head head_scale times that (4x by
+    default, so argmaxes are clear)."""
     if len(shape) == 1:
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)
-    scale = 4.0 if name == "lm_head.weight" else 1.0
+    scale = head_scale if name == "lm_head.weight" else 1.0
     return torch.randn(shape, generator=generator) * scale / shape[-1] ** 0.5
 
 
-def write_target(directory: Path, family: str, seed: int):
+def write_target(directory: Path, family: str, seed: int, head_scale: float = 4.0):
     from transformers import AutoConfig, AutoModelForCausalLM
     raw = target_config(family)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(raw, indent=1, sort_keys=True))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
     g = torch.Generator().manual_seed(seed)
-    tensors = {name: seeded(t.shape, name, g) if t.is_floating_point() else t.clone()
+    tensors = {name: seeded(t.shape, name, g, head_scale) if t.is_floating_point() else t.clone()
                for name, t in sorted(model.state_dict().items())}
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
 
@@ -313,7 +316,7 @@ def request_of(name: str, case: dict) -> dict:
     return {"prompt_ids": torch.randint(0, VOCAB - 1, (case["prompt_len"],), generator=g).tolist(),
             "max_new_tokens": case["max_new_tokens"], "num_drafts": case.get("num_drafts"),
             "full_block": case.get("full_block", True), "temperature": case.get("temperature", 0.0),
-            "top_p": case.get("top_p", 1.0), "top_k": 0, "seed": case.get("seed", 0)}
+            "top_p": case.get("top_p", 1.0), "top_k": case.get("top_k", 0), "seed": case.get("seed", 0)}
 
 
 def load_case(case_dir: Path):
@@ -336,16 +339,22 @@ def margin(values: dict, target_margin: float) -> float:
 
 def write_case(root: Path, name: str, case: dict, seed: int):
     """A case's pair from the first seed (seed, seed + 2, ...) whose greedy choices all win by MARGIN, so
-    that a port's float32 rounding cannot flip a token, and whose recorded rounds accept a draft, so that
-    acceptance and a multi-row context append are checked; its request; dflash.py's values at every stage."""
+    that a port's float32 rounding cannot flip a token, or, sampled, whose output is not its greedy decode
+    and holds at least 4 different tokens, so that the draws are not forced; and whose recorded rounds
+    accept a draft, so that acceptance and a multi-row context append are checked; its request; dflash.py's
+    values at every stage."""
     directory, request = Path(root) / name, request_of(name, case)
     for seed in range(seed, seed + 40, 2):
-        write_target(directory / "target", case["target"], seed)
+        write_target(directory / "target", case["target"], seed, case.get("head_scale", 4.0))
         write_drafter(directory / "drafter", case, seed + 1)
         target = dflash.load_target(str(directory / "target"), torch.float32, "cpu")
         drafter = dflash.load_drafter(str(directory / "drafter"), target, torch.float32, "cpu")
         values, gen, recorder = record_reference(target, drafter, request)
-        clear = request["temperature"] > 0 or margin(values, recorder.target_margin) >= MARGIN
+        if request["temperature"] > 0:
+            greedy = dflash.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"]).tokens
+            clear = gen.tokens != greedy and len(set(gen.tokens)) >= 4
+        else:
+            clear = margin(values, recorder.target_margin) >= MARGIN
         if clear and any(int(v) > 0 for k, v in values.items() if k.startswith("accepted.")):
             break
     else:

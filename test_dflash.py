@@ -3672,13 +3672,19 @@ def test_conformance_kit_regenerates_to_the_committed_files(tmp_path):
 
 def test_every_case_covers_what_the_kit_promises():
     """Six cases: z-lab full attention, the newer layout with a biting window, Laguna, K < B-1 at both
-    compute widths, and a sampled case with its uniforms; Qwen3, Llama and Laguna targets; each accepts
-    a draft within its recorded rounds; every pair stays small."""
+    compute widths, and a sampled case (temperature, top-p and top-k) whose output is not its greedy
+    decode; Qwen3, Llama and Laguna targets; each accepts a draft within its recorded rounds; every pair
+    stays small."""
     specs = {n: json.loads((conformance.KIT / n / "case.json").read_text()) for n in conformance.CASES}
     families = {json.loads((conformance.KIT / n / "target" / "config.json").read_text())["model_type"] for n in specs}
     assert families == {"qwen3", "llama", "laguna"}
     assert {(s["request"]["num_drafts"], s["request"]["full_block"]) for s in specs.values()} >= {(3, True), (3, False)}
-    assert specs["sampled"]["request"]["temperature"] > 0
+    sampled = specs["sampled"]["request"]
+    assert sampled["temperature"] > 0 and sampled["top_p"] < 1 and sampled["top_k"] > 0
+    target, drafter, _ = conformance.load_case(conformance.KIT / "sampled")   # draws the uniforms decide:
+    tokens = load_file(conformance.KIT / "sampled" / "expected.safetensors")["tokens"].tolist()
+    assert tokens != dflash.generate(target, drafter, sampled["prompt_ids"], sampled["max_new_tokens"]).tokens
+    assert len(set(tokens)) >= 4                                                   # not its greedy decode
     for name, spec in specs.items():
         expected = load_file(conformance.KIT / name / "expected.safetensors")
         assert any(int(expected[f"accepted.{r}"]) > 0 for r in range(1, conformance.ROUNDS + 1)
