@@ -83,11 +83,11 @@ CASES = {
         about="K = 3 < B - 1 = 7, the drafter computing K+1 rows", target="qwen3", fmt="zlab", block_size=8,
         layers=2, layer_ids=[1, 3, 4], prompt_len=5, max_new_tokens=20, num_drafts=3, full_block=False),
     "sampled": dict(
-        about="sampled at T 0.8, top-p 0.9, top-k 5, from a target whose LM head is not scaled up, so that "
+        about="sampled at T 0.8, top-p 0.8, top-k 5, from a target whose LM head is not scaled up, so that "
               "its distributions are wide: the stored uniforms decide the accepts and draws, and the output "
               "is not its greedy decode",
         target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=6,
-        max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=5, seed=11, head_scale=1.0),
+        max_new_tokens=24, temperature=0.8, top_p=0.8, top_k=5, seed=11, head_scale=1.0),
 }
 
 

@@ -3776,6 +3776,42 @@ BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must nam
 }
 
 
+def sampling_port(change):
+    """A port whose verification changes the request's sampling (or its rule) as change(verify, drafts,
+    logits, sampling, uniforms) does."""
+    def run(target, drafter, request):
+        real_verify = dflash.verify
+        with mock.patch.object(dflash, "verify", lambda *args: change(real_verify, *args)):
+            return conformance.record_reference(target, drafter, request)[0]
+    return run
+
+
+def draw_from_p(verify, drafts, logits, sampling, uniforms):   # after a rejection, p itself, not the residual
+    with mock.patch.object(dflash, "residual", lambda probs, token: probs):
+        return verify(drafts, logits, sampling, uniforms)
+
+
+SAMPLING_PORTS = {
+    "temperature ignored": lambda verify, d, l, s, u: verify(d, l, dflash.Sampling(1.0, s.top_p, s.top_k), u),
+    "top-p ignored": lambda verify, d, l, s, u: verify(d, l, dflash.Sampling(s.temperature, 1.0, s.top_k), u),
+    "top-k ignored": lambda verify, d, l, s, u: verify(d, l, dflash.Sampling(s.temperature, s.top_p, 0), u),
+    "decoded greedily": lambda verify, d, l, s, u: verify(d, l, dflash.Sampling(), u),
+    "drawn from p, not the residual": draw_from_p,
+}
+
+
+@pytest.mark.parametrize("port", sorted(SAMPLING_PORTS))
+def test_the_sampled_case_fails_each_broken_sampling_port(port):
+    """The sampled case's draws are not forced: a port that gets any part of the sampling wrong differs
+    somewhere, while the same port without the change conforms."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "sampled")
+    result = conformance.check(conformance.KIT / "sampled",
+                               sampling_port(SAMPLING_PORTS[port])(target, drafter, spec["request"]))
+    assert result["first"] is not None and "missing" not in result["results"].values(), conformance.report(result)
+    same = sampling_port(lambda verify, *args: verify(*args))(target, drafter, spec["request"])
+    assert conformance.check(conformance.KIT / "sampled", same)["first"] is None
+
+
 @pytest.mark.parametrize("pitfall", sorted(BROKEN_PORTS))
 def test_checker_names_the_stage_each_pitfall_breaks(pitfall):
     """A dump from a port with each pitfall the engines have met is named at the stage where it first shows,
