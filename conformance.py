@@ -38,8 +38,9 @@ VOCAB, H, T_LAYERS, MAX_POS = 8, 32, 6, 128
 
 # Stages in the order a round computes them: name -> (shape, atol = rtol, the pitfall it usually means).
 STAGES = {
-    "hidden": ("(W, H)", 1e-4, "the drafter's block: a sliding layer run as full attention, no window, causal "
-               "and bidirectional layers mixed up, the block at the wrong positions, or a missing gate"),
+    "hidden": ("(W, H)", 1e-4, "the drafter's block: a sliding layer run as full attention, no window or a "
+               "window on one side only, causal and bidirectional layers mixed up (the causality override), "
+               "another layer's RoPE base, the block at the wrong positions, or a missing gate"),
     "top5_logits": ("(W-1, 5)", 1e-3, "the LM head over the drafter's rows 1..W-1: the final norm, or the "
                     "rows read shifted by one"),
     "top5_ids": ("(W-1, 5)", 0, "the LM head over the drafter's rows 1..W-1, read shifted by one"),
@@ -88,6 +89,13 @@ CASES = {
               "is not its greedy decode",
         target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=6,
         max_new_tokens=24, temperature=0.8, top_p=0.8, top_k=5, seed=11, head_scale=1.0),
+    "zlab-new-bidirectional": dict(
+        about="the newer z-lab layout with dflash_config.causal false, so that its sliding layers see their "
+              "window (6) on both sides, RoPE bases keyed by layer type (sliding 1e4, full 1e7), and no "
+              "target_layer_ids (the default ids for 2 features); a Llama target",
+        target="llama", fmt="zlab-new", block_size=8, layers=3, window=6, layer_ids=None, num_features=2,
+        prompt_len=10, max_new_tokens=24, causal=False, rope_by_type={"sliding_attention": 1e4,
+                                                                      "full_attention": 1e7}),
 }
 
 
@@ -134,16 +142,19 @@ def drafter_config(case: dict) -> dict:
     fmt, L, B = case["fmt"], case["layers"], case["block_size"]
     arch = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=L, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=VOCAB)
-    nested = {"mask_token_id": VOCAB - 1, "target_layer_ids": case["layer_ids"]}
+    nested = {"mask_token_id": VOCAB - 1} | ({} if case["layer_ids"] is None else {"target_layer_ids": case["layer_ids"]})
     if fmt == "zlab":
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "block_size": B,
                 "rope_theta": 1000000.0, "num_target_layers": T_LAYERS, "layer_types": ["full_attention"] * L,
                 "dflash_config": nested}
     if fmt == "zlab-new":
-        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+        rope = {"rope_type": "default", "rope_theta": 10000000.0}
+        if "rope_by_type" in case:   # one base per layer type
+            rope = {kind: {"rope_type": "default", "rope_theta": theta} for kind, theta in case["rope_by_type"].items()}
+        causal = {} if "causal" not in case else {"causal": case["causal"]}
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "rope_parameters": rope,
                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"][:L],
-                "sliding_window": case["window"], "dflash_config": {"block_size": B, **nested}}
+                "sliding_window": case["window"], "dflash_config": {"block_size": B, **causal, **nested}}
     return {"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna", **arch, "gating": "per-head",
             "layer_types": ["sliding_attention"] * L, "sliding_window": case["window"],
             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
@@ -152,7 +163,7 @@ def drafter_config(case: dict) -> dict:
 
 def write_drafter(directory: Path, case: dict, seed: int):
     raw = drafter_config(case)
-    n = len(case["layer_ids"])
+    n = case.get("num_features") or len(case["layer_ids"])
     shapes = dflash.checkpoint_tensors(dflash.Drafter(dflash.load_draft_config(raw, T_LAYERS, n * H)))
     g = torch.Generator().manual_seed(seed)
     tensors = {name: seeded(t.shape, name, g) for name, t in sorted(shapes.items())}

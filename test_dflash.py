@@ -3671,10 +3671,10 @@ def test_conformance_kit_regenerates_to_the_committed_files(tmp_path):
 
 
 def test_every_case_covers_what_the_kit_promises():
-    """Six cases: z-lab full attention, the newer layout with a biting window, Laguna, K < B-1 at both
-    compute widths, and a sampled case (temperature, top-p and top-k) whose output is not its greedy
-    decode; Qwen3, Llama and Laguna targets; each accepts a draft within its recorded rounds; every pair
-    stays small."""
+    """Seven cases: z-lab full attention, the newer layout with a biting window, and with its causality
+    override off, RoPE bases per layer type and the default layer ids, Laguna, K < B-1 at both compute
+    widths, and a sampled case (temperature, top-p and top-k) whose output is not its greedy decode;
+    Qwen3, Llama and Laguna targets; each accepts a draft within its recorded rounds; every pair stays small."""
     specs = {n: json.loads((conformance.KIT / n / "case.json").read_text()) for n in conformance.CASES}
     families = {json.loads((conformance.KIT / n / "target" / "config.json").read_text())["model_type"] for n in specs}
     assert families == {"qwen3", "llama", "laguna"}
@@ -3691,6 +3691,10 @@ def test_every_case_covers_what_the_kit_promises():
                    if f"accepted.{r}" in expected), name
         assert {k.rsplit(".", 1)[0] for k in expected} == set(conformance.STAGES) | {"tokens"}, name
         assert sum(p.stat().st_size for p in (conformance.KIT / name).rglob("*") if p.is_file()) < 600_000, name
+    both_sides = json.loads((conformance.KIT / "zlab-new-bidirectional" / "drafter" / "config.json").read_text())
+    assert both_sides["dflash_config"]["causal"] is False and "target_layer_ids" not in both_sides["dflash_config"]
+    assert "sliding_attention" in both_sides["layer_types"] and len({
+        p["rope_theta"] for p in both_sides["rope_parameters"].values()}) == 2
     window = json.loads((conformance.KIT / "zlab-new-window" / "drafter" / "config.json").read_text())
     assert len(specs["zlab-new-window"]["request"]["prompt_ids"]) > window["sliding_window"]
 
@@ -3757,7 +3761,28 @@ def set_each_layer(**attributes):
     return change
 
 
+def one_sided_window(target, drafter, request):
+    """A port whose window bounds only the keys before a query (a non-causal sliding layer sees both sides)."""
+    def visible_at(delta, causal, window):
+        visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
+        return visible if window is None else visible & (delta < window)
+    with mock.patch.object(dflash, "visible_at", visible_at):
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def one_rope_base(drafter):
+    """A loader that reads one RoPE base for every layer, the first layer's."""
+    for layer in drafter.layers:
+        layer.self_attn.rope_theta = drafter.config.rope_thetas[0]
+    drafter.config.rope_thetas = [drafter.config.rope_thetas[0]] * len(drafter.layers)
+
+
 BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must name, a word of its pitfall)
+    "causality override ignored": ("zlab-new-bidirectional", with_drafter_change(lambda d: [
+        setattr(layer, "causal", layer.window is not None) for layer in d.layers]), "hidden", "causality override"),
+    "window on one side only": ("zlab-new-bidirectional", one_sided_window, "hidden", "one side only"),
+    "one RoPE base for every layer": ("zlab-new-bidirectional", with_drafter_change(one_rope_base), "hidden",
+                                      "RoPE base"),
     "wrong layer index": ("zlab-qwen3", with_drafter_change(
         lambda d: setattr(d.config, "target_layer_ids", [i + 1 for i in d.config.target_layer_ids])),
         "features", "layer index"),
