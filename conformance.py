@@ -40,9 +40,9 @@ VOCAB, H, T_LAYERS, MAX_POS = 8, 32, 6, 128
 STAGES = {
     "hidden": ("(W, H)", 1e-4, "the drafter's block: a sliding layer run as full attention, no window or a "
                "window on one side only, causal and bidirectional layers mixed up (the causality override), "
-               "another layer's RoPE base, the block at the wrong positions, or a missing gate"),
-    "top5_logits": ("(W-1, 5)", 1e-3, "the LM head over the drafter's rows 1..W-1: the final norm, or the "
-                    "rows read shifted by one"),
+               "another layer's RoPE base, the block at the wrong positions, a missing gate, or no final norm"),
+    "top5_logits": ("(W-1, 5)", 1e-3, "the LM head over the drafter's rows 1..W-1: the rows read shifted by "
+                    "one, or a head other than the target's own"),
     "top5_ids": ("(W-1, 5)", 0, "the LM head over the drafter's rows 1..W-1, read shifted by one"),
     "drafts": ("(k,)", 0, "the readout shifted by one: drafts from rows 0..W-2 instead of 1..W-1 (next-token "
                "labels, or anchor-first rows read as same-position), or more drafts than max_new_tokens allows"),
