@@ -3777,6 +3777,45 @@ def one_rope_base(drafter):
     drafter.config.rope_thetas = [drafter.config.rope_thetas[0]] * len(drafter.layers)
 
 
+def greedy_verifier(accepted_of):
+    """A port whose greedy verification counts accepted drafts as accepted_of(drafts, target's argmaxes) does."""
+    def verify(drafts, logits, sampling, uniforms):
+        chosen = logits.argmax(-1)                                                      # (k+1,)
+        accepted = accepted_of(drafts, chosen)
+        return accepted, int(chosen[accepted])
+
+    def run(target, drafter, request):
+        with mock.patch.object(dflash, "verify", verify):   # patched first, so the recorder wraps it
+            return conformance.record_reference(target, drafter, request)[0]
+    return run
+
+
+BROKEN_VERIFIERS = {   # greedy verifiers that compare wrongly: accepted drafts from (drafts, the target's argmaxes)
+    "drafts compared with the wrong rows": lambda d, t: int((d == t[1:]).long().cumprod(0).sum()),
+    "matches counted past the first miss": lambda d, t: int((d == t[:-1]).long().sum()),
+}
+
+
+GREEDY_CASES = ["zlab-qwen3", "zlab-new-window", "laguna", "k3-block-width", "k3-drafts-width", "zlab-new-bidirectional"]
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_VERIFIERS))
+def test_greedy_cases_fail_a_verifier_that_compares_wrongly(name):
+    """A greedy verifier that compares the drafts with the wrong rows is named at verification by every
+    greedy case; one that counts matches past the first miss by every one but zlab-new-bidirectional, whose
+    drafts never match again after a miss (its run ends at other rounds, so later stages go missing)."""
+    passed = set()
+    for case in GREEDY_CASES:
+        target, drafter, spec = conformance.load_case(conformance.KIT / case)
+        result = conformance.check(conformance.KIT / case, greedy_verifier(BROKEN_VERIFIERS[name])(target, drafter,
+                                                                                                   spec["request"]))
+        if result["first"] is None:
+            passed.add(case)
+        else:
+            assert result["first"]["stage"] == "accepted", conformance.report(result)
+    assert passed == ({"zlab-new-bidirectional"} if name == "matches counted past the first miss" else set())
+
+
 BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must name, a word of its pitfall)
     "causality override ignored": ("zlab-new-bidirectional", with_drafter_change(lambda d: [
         setattr(layer, "causal", layer.window is not None) for layer in d.layers]), "hidden", "causality override"),
