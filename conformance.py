@@ -142,7 +142,9 @@ def drafter_config(case: dict) -> dict:
     fmt, L, B = case["fmt"], case["layers"], case["block_size"]
     arch = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=L, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=VOCAB)
-    nested = {"mask_token_id": VOCAB - 1} | ({} if case["layer_ids"] is None else {"target_layer_ids": case["layer_ids"]})
+    nested = {"mask_token_id": VOCAB - 1}
+    if case["layer_ids"] is not None:   # else the default ids
+        nested["target_layer_ids"] = case["layer_ids"]
     if fmt == "zlab":
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "block_size": B,
                 "rope_theta": 1000000.0, "num_target_layers": T_LAYERS, "layer_types": ["full_attention"] * L,
@@ -248,8 +250,7 @@ def record_reference(target, drafter, request: dict, generate=None):
         patches.enter_context(mock.patch.object(d.Drafter, "project_context", project_context))
         gen = (generate or d.generate)(target, drafter, request["prompt_ids"], request["max_new_tokens"],
                                        **generate_kwargs(request))
-    return rec.values | {"tokens": torch.tensor(gen.tokens),
-                         "acceptance_lengths": torch.tensor(gen.acceptance_lengths)}, gen, rec
+    return rec.values | whole_run_values(gen), gen, rec
 
 
 def record_fastpath(target, drafter, request: dict) -> dict:
@@ -310,7 +311,12 @@ def record_fastpath(target, drafter, request: dict) -> dict:
             patches.enter_context(mock.patch.object(cls, "forward", forward_of(cls)))
         gen = f.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"],
                          **generate_kwargs(request))
-    return rec.values | {"tokens": torch.tensor(gen.tokens), "acceptance_lengths": torch.tensor(gen.acceptance_lengths)}
+    return rec.values | whole_run_values(gen)
+
+
+def whole_run_values(gen) -> dict:
+    """The WHOLE_RUN values of a Generation, as a dump holds them."""
+    return {"acceptance_lengths": torch.tensor(gen.acceptance_lengths), "tokens": torch.tensor(gen.tokens)}
 
 
 def generate_kwargs(request: dict) -> dict:
@@ -351,10 +357,9 @@ def margin(values: dict, target_margin: float) -> float:
 def write_case(root: Path, name: str, case: dict, seed: int):
     """A case's pair from the first seed (seed, seed + 2, ...) whose greedy choices all win by MARGIN, so
     that a port's float32 rounding cannot flip a token and whose output holds two tokens at least, or,
-    sampled, whose output is not its greedy decode
-    and holds at least 4 different tokens, so that the draws are not forced; and whose recorded rounds
-    accept a draft, so that acceptance and a multi-row context append are checked; its request; dflash.py's
-    values at every stage."""
+    sampled, whose output is not its greedy decode and holds at least 4 different tokens, so that the draws
+    are not forced; and whose recorded rounds accept a draft, so that acceptance and a multi-row context
+    append are checked; its request; dflash.py's values at every stage."""
     directory, request = Path(root) / name, request_of(name, case)
     for seed in range(seed, seed + 40, 2):
         write_target(directory / "target", case["target"], seed, case.get("head_scale", 4.0))
