@@ -3367,6 +3367,32 @@ def test_train_saves_the_drafter_at_each_heldout_estimate(tiny, tmp_path, monkey
     assert any(not torch.equal(final[k], seen[-1][4][k]) for k in final)
 
 
+def test_a_snapshot_killed_midway_leaves_the_last_snapshot_whole(tiny, tmp_path, monkeypatch):
+    """A snapshot of `train.py train` that dies while it writes (a full disk, a machine taken back) leaves
+    the one before it whole: the weights in --out are the ones its training.json's history ends at."""
+    path, target, sequences = tiny
+    train.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
+    out, snapshots, real_write_text = tmp_path / "d", [], Path.write_text
+
+    def write_text(self, text, *args, **kwargs):
+        if self.name == "training.json.part":
+            weights = out / "model.safetensors.part"   # this snapshot's weights, moved or not yet
+            snapshots.append(load_file(weights if weights.exists() else out / "model.safetensors"))
+            if len(snapshots) == 2:
+                raise OSError("No space left on device")
+        return real_write_text(self, text, *args, **kwargs)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(OSError, match="No space left"):
+        train.main(["train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out", str(out),
+                    "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK), "--max-steps", "5",
+                    "--eval-every", "2", "--heldout", "4", "--device", "cpu", "--save-dtype", "float32"])
+    log = json.loads((out / "training.json").read_text())
+    saved = load_file(out / "model.safetensors")
+    assert len(log["history"]) == 2 and log["snapshot"] is True
+    assert all(torch.equal(saved[k], snapshots[0][k]) for k in saved)          # step 2's weights, with step 2's log
+    assert any(not torch.equal(saved[k], snapshots[1][k]) for k in saved)      # not step 4's, which trained on
+
+
 # -----------------------------------------------------------------------------
 # evaluation.py
 

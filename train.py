@@ -456,16 +456,22 @@ def replace_file(path: Path, write):
     replace_files({path: write})
 
 
-def save_drafter(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtype):
-    """config.json plus model.safetensors, under the released tensor names of the drafter's format."""
+def drafter_writes(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtype) -> dict:
+    """replace_files' writes of config.json and model.safetensors, under the released tensor names of the
+    drafter's format; `directory` is made."""
     from safetensors.torch import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = json.dumps({**raw, "dtype": str(dtype).removeprefix("torch.")}, indent=2)
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in dflash.checkpoint_tensors(drafter).items()}
-    # both written before either moves: a kill midway never leaves one drafter's config with another's weights
-    replace_files({directory / "model.safetensors": lambda p: save_file(tensors, p),
-                   directory / "config.json": lambda p: p.write_text(config)})
+    return {directory / "model.safetensors": lambda p: save_file(tensors, p),
+            directory / "config.json": lambda p: p.write_text(config)}
+
+
+def save_drafter(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtype):
+    """config.json plus model.safetensors, both written before either moves: a kill midway never leaves
+    one drafter's config with another's weights."""
+    replace_files(drafter_writes(drafter, raw, directory, dtype))
 
 
 # -----------------------------------------------------------------------------
@@ -1727,7 +1733,6 @@ def cmd_train(args):
     def save(history: list[dict], snapshot: bool):
         """The drafter and its training.json into --out; a snapshot is one taken at a held-out estimate
         while training goes on, so that a run cut short (a machine taken back) leaves its last estimate."""
-        save_drafter(drafter, raw, out, dflash.DTYPES[args.save_dtype])
         log = {"args": {k: v for k, v in vars(args).items() if k != "run"}, "train_config": asdict(cfg),
                "seconds": time.perf_counter() - t0, "snapshot": snapshot,
                "data": {k: v for k, v in meta.items() if k not in ("prompt_indices", "temperatures")}
@@ -1738,7 +1743,9 @@ def cmd_train(args):
                                            [(args.data[0], heldout)] + list(more_heldout.items())},
                "at_init": at_init, "grown_from_layers": grown_from,
                "history": history}
-        replace_file(out / "training.json", lambda p: p.write_text(json.dumps(log, indent=1)))
+        # the log moves with the weights it describes: a kill midway leaves the last snapshot's three files
+        replace_files(drafter_writes(drafter, raw, out, dflash.DTYPES[args.save_dtype])
+                      | {out / "training.json": lambda p: p.write_text(json.dumps(log, indent=1))})
         return log
 
     history = train(target, drafter, training, heldout, cfg, more_heldout=more_heldout,
