@@ -1021,14 +1021,19 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
     return rounds
 
 
+def require_a_full_block(sequences: list[Sequence], block_size: int, name: str = "held-out sequences", hint: str = ""):
+    """The held-out walk (heldout_rounds) starts at an anchor with a whole block of labels after it."""
+    full = any(choose_anchors(q, 1, block_size, None, full_only=True) for q in sequences)
+    dflash.require(full, f"{name}: none has a response of at least block_size = {block_size} tokens{hint}")
+
+
 def estimate_acceptance(target, drafter: Drafter, sequences: list[Sequence], batch_size=4) -> tuple[float, list[float]]:
     """Held-out τ (tokens per round) and acceptance rate per draft position, over the rounds that
     decoding the held-out prompts would run (heldout_rounds): the numbers eval reports, up to the
     partial last block and precision, without decoding."""
     K = drafter.config.block_size - 1
+    require_a_full_block(sequences, K + 1)
     accepted = [L for walked in heldout_rounds(target, drafter, sequences, batch_size) for L in walked]
-    if not accepted:
-        raise DFlashError(f"held-out sequences: none has a response of at least block_size = {K + 1} tokens")
     tau = 1 + sum(accepted) / len(accepted)
     return tau, [sum(L > k for L in accepted) / len(accepted) for k in range(K)]
 
@@ -1716,9 +1721,9 @@ def cmd_train(args):
           f"{len(training)} training sequences, {len(heldout)} held out"
           + "".join(f", {len(held)} from {path}" for path, held in more_heldout.items()), file=sys.stderr)
     for name, held in [(args.data[0], heldout)] + list(more_heldout.items()):   # before training, not at its end
-        dflash.require(not held or any(len(q.ids) - q.prompt_len >= args.block_size for q in held),
-                       f"held-out sequences of {name}: none has a response of at least block_size = {args.block_size} "
-                       f"tokens (--heldout-tokens = {args.heldout_tokens})")
+        if held:
+            require_a_full_block(held, args.block_size, f"held-out sequences of {name}",
+                                 f" (--heldout-tokens = {args.heldout_tokens})")
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
