@@ -118,7 +118,10 @@ with torch.profiler.profile(activities=activities) as prof:
 
 GROUPS = [("attention", r"fmha|flash|flex|attention|efficient"),
           ("GEMM", r"gemm|cutlass|nvjet|sm90_xmma|cublas|splitk"),
-          ("head loss chunk", r"log_softmax|_softmax|logsumexp|head_chunk_grad"),
+          # the drafter's compiled own-row attention (attend_packed) fuses a logsumexp and a logaddexp; the
+          # head's loss is the Triton _head_chunk_grad, or log_softmax kernels compiled for --soft
+          ("attention", r"^triton\w*(logsumexp|logaddexp)"),
+          ("head loss chunk", r"log_softmax|_softmax|head_chunk_grad"),
           ("other compiled (Triton)", r"^triton"),
           ("optimizer", r"multi_tensor|adam|foreach"),
           ("copies, fills", r"memcpy|memset|copy|fill|cat|index|gather|scatter"),

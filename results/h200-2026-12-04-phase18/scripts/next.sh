@@ -11,7 +11,9 @@
 #    casts its rows once and joins the chunks' gradients once, and AdamW is fused (all since 49b43a7;
 #    phase 15's step_profile.py in step 3 makes its own optimizer, foreach).
 # 2. the same loop with 82fcb78's code (the drafter's forward compiled, the context's path eager).
-# 3. phase 15's step_profile.py with this code: the step's kernels by group, host time by part.
+# 3. phase 15's step_profile.py with this code: the step's kernels by group, host time by part. Its
+#    groups now count the compiled own-row attention's logsumexp/logaddexp kernels under attention;
+#    phase 18's table had them under the head's loss.
 # 4. test_compiled_training_follows_eager_on_cuda (train --compile against eager, through compile_drafter)
 #    and test_packed_forward_through_flex_attention_on_cuda (the packed forward against CPU float64).
 # Each step packs what it made into work.tar as it goes; later steps are skipped as the time nears.
