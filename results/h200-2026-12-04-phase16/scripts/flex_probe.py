@@ -13,6 +13,9 @@ CUDA events, median of 20 after 5; per variant: ms forward, ms forward + backwar
 largest difference from today's output (the rule variants must give the same rows).
 
     $ python flex_probe.py [OUT_JSON]
+
+It calls train.py as it was when it was written (628356e: `packed_mask(rule, Bt, rows, N, device, sparse)`,
+one flex call over [context | own rows]); both changed since. Run it in a worktree at 628356e.
 """
 import json, os, statistics, sys
 sys.path.insert(0, os.getcwd())
