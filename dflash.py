@@ -10,8 +10,9 @@ comes first, in the order a step runs it; loading, validation and transformers g
     $ python dflash.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
 
 Shapes: P prompt, S context (tokens the drafter has seen), B block, K drafts per step, W rows of a
-draft block (B, or K+1), H hidden, n captured target layers, V vocab, h/hk query/key heads, d head_dim;
-`...` is any leading batch shape (none when decoding, sequences when training).
+draft block (B, or K+1), N any count of rows or positions, H hidden, n captured target layers, V vocab,
+h/hk query/key heads, d head_dim; `...` is any leading batch shape (none when decoding, sequences when
+training).
 """
 import argparse
 import functools
@@ -89,7 +90,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_table(positions, theta: float, d: int, dtype):
-    """RoPE's cos and sin at positions (..., N), (..., N, 1, d) each, from float64 angles (exact at any position)."""
+    """RoPE's cos and sin at positions (..., N), (..., N, 1, d) each, from float64 angles, exact at any
+    position. HF's rotary embeddings (z-lab's drafters) and the engines take fp32 angles: their cos and
+    sin differ from these by up to about 3e-4 at position 4k and 3e-3 at 40k, a difference a port compared
+    in fp32 at long context sees."""
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float64) / d)  # (d/2,)
     angles = positions.double()[..., None] * inv_freq                                   # (..., N, d/2)
     angles = torch.cat([angles, angles], -1)[..., None, :]                              # (..., N, 1, d)
@@ -107,26 +111,11 @@ def gate(logits, o):
     return o * F.softplus(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(o.dtype)[..., None]
 
 
-@functools.cache
-def compiled_flex_attention():
-    """flex attention fused by Triton, compiled on first use (torch.compile at import would cost every
-    import of this file a second or two)."""
-    return torch.compile(flex_attention)
-
-
-class PackedMask(NamedTuple):
-    """Training's packed forward on CUDA: W query rows in blocks of B, over keys [S − W context keys | the
-    W rows themselves]. Each row sees context keys by `context`, a flex attention BlockMask over the
-    context alone (its unseen tiles skipped), and the rows of its own block by `own` (B, B) bool, the
-    same for every block: the layer's causal/window rule within a block."""
-    context: BlockMask
-    own: torch.Tensor
-
-
 def attend(q, keys, values, mask):
-    """Scaled dot-product attention of queries q (..., h, W, d) over keys, values (..., hk, S, d), each K/V
-    head serving h/hk query heads -> (..., h, W, d). mask: (..., W, S) bool, the keys each row sees, or None
-    for all; or a PackedMask of the same rule (training's packed forward on CUDA)."""
+    """Scaled dot-product attention of queries q (..., h, W, d) over keys, values (..., hk, S+W, d): the
+    context's and the rows' own, each K/V head serving h/hk query heads -> (..., h, W, d). mask: (..., W, S+W)
+    bool, the keys each row sees, or None for all; or a PackedMask of the same rule (training's packed
+    forward on CUDA, after generate below)."""
     if isinstance(mask, PackedMask):
         return attend_packed(q, keys, values, mask)
     # Each K/V head repeated for its query heads. SDPA's own enable_gqa runs only its math kernel under a
@@ -135,32 +124,6 @@ def attend(q, keys, values, mask):
     g = q.shape[-3] // keys.shape[-3]
     keys, values = keys.repeat_interleave(g, -3), values.repeat_interleave(g, -3)      # (..., h, S, d)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-
-
-def attend_packed(q, keys, values, mask: PackedMask):
-    """attend under a PackedMask, in two parts joined by their log-sum-exps: the context through flex
-    attention (only the tiles some row sees, the K/V heads shared in the kernel) and each block's own rows
-    as small dense products. Apart, the own rows cost no flex tiles: together (blocks of 16, 8 to a
-    128-row tile), each row tile made one or two tiles of their rows 1/8 seen, each applying the rule."""
-    (h, W, d), hk, B = q.shape[-3:], keys.shape[-3], mask.own.shape[0]
-    N = keys.shape[-2] - W
-    # a compiled drafter traces flex attention into its own graph; eager calls on CUDA take the compiled
-    # one (inductor's CPU flex attention returns no log-sum-exp: elsewhere the unfused one)
-    flex = compiled_flex_attention() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
-    out_context, aux = flex(q, keys[..., :N, :], values[..., :N, :], block_mask=mask.context, enable_gqa=True,
-                            return_aux=AuxRequest(lse=True))                           # (..., h, W, d), lse (..., h, W)
-    qb = q.unflatten(-3, (hk, h // hk)).unflatten(-2, (W // B, B))                     # (..., hk, g, W/B, B, d)
-    kb, vb = (t[..., N:, :].unflatten(-2, (W // B, B)).unsqueeze(-4) for t in (keys, values))  # (..., hk, 1, W/B, B, d)
-    exact = aux.lse.dtype                                                              # ≥ fp32, as flex's scores
-    scores = qb.to(exact) @ kb.to(exact).transpose(-1, -2) * d ** -0.5               # (..., hk, g, W/B, B, B)
-    scores = scores.masked_fill(~mask.own, float("-inf"))
-    lse_own = scores.logsumexp(-1)                                                     # (..., hk, g, W/B, B)
-    out_own = (scores - lse_own[..., None]).exp().to(vb.dtype) @ vb                    # (..., hk, g, W/B, B, d)
-    out_own = out_own.flatten(-3, -2).flatten(-4, -3)                                  # (..., h, W, d)
-    lse_own = lse_own.flatten(-2).flatten(-3, -2)                                      # (..., h, W)
-    lse = torch.logaddexp(aux.lse, lse_own)   # (..., h, W), finite: every row sees itself (a window is ≥ 1)
-    out = out_context * (aux.lse - lse).exp()[..., None] + out_own * (lse_own - lse).exp()[..., None]
-    return out.to(q.dtype)
 
 
 class DraftAttention(nn.Module):
@@ -227,7 +190,8 @@ class DraftLayer(nn.Module):
 
 
 class Drafter(nn.Module):
-    """No embeddings, no LM head: the target's serve. Parameter names are the checkpoint's."""
+    """No embeddings, no LM head: the target's serve. Parameter names are the checkpoint's, except that
+    z-lab's q_proj/k_proj/v_proj are one qkv_proj, fused at load (checkpoint_tensors maps them back)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -253,7 +217,7 @@ class Drafter(nn.Module):
         """Block embeddings x (..., W, H) with the rope_tables of their positions, each layer's context and
         mask -> (..., W, H). The caller makes the tables: made inside a compiled forward, inductor would
         recompute their float64 cos, sin and pow in every kernel that reads them, for every element of
-        q and k, forward and backward (half the drafter's elementwise time in training)."""
+        q and k, forward and backward."""
         for layer, layer_context, mask in zip(self.layers, context, masks):
             x = layer(x, tables, layer_context, mask)
         return self.norm(x)
@@ -320,7 +284,8 @@ def append_context(drafter: Drafter, ctx: DraftContext, c):
 
 def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
     """Which keys each query sees: (..., Nq), (..., Nk) absolute positions -> (..., Nq, Nk) bool, or None for
-    all. A window keeps at most `window` keys ending at the query (on both sides if not causal)."""
+    all. A causal window keeps the `window` keys ending at the query; a window that is not causal keeps the
+    keys less than `window` positions away on either side (2·window − 1 in all)."""
     if not causal and window is None:
         return None
     return visible_at(q_pos[..., :, None] - k_pos[..., None, :], causal, window)     # (..., Nq, Nk)
@@ -345,7 +310,7 @@ def draft_block(drafter: Drafter, ctx: DraftContext, block_embeds):
 def propose(drafter: Drafter, ctx: DraftContext, block, target, count: int):
     """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the target's LM head argmax of rows 1..count,
     no shift. Every row of the block is computed (its rows attend to each other); only the `count` drafts
-    to verify go through the head, which costs by the row (on CPU 20.8 ms for 15 rows, 4.4 ms for 3)."""
+    to verify go through the head, which costs by the row (V columns each)."""
     hidden = draft_block(drafter, ctx, target.get_input_embeddings()(block))            # (W, H)
     return target.get_output_embeddings()(hidden[1:1 + count]).argmax(-1)              # (count,)
 
@@ -396,7 +361,7 @@ def verify(drafts, logits, sampling: Sampling, uniforms) -> tuple[int, int]:
     token is row a's argmax. Sampling is rejection sampling with the one-hot proposal δ(d_i): accept d_i with
     probability p(d_i); at the first rejection draw from p with d_i removed, renormalised; if all pass, from p_k.
     Exact: P(x) = p(d)·[x = d] + (1 − p(d))·p(x)[x ≠ d]/(1 − p(d)) = p(x), whatever the drafter proposed.
-    uniforms (K+1,): one per draft for acceptance, the last for the draw."""
+    uniforms (≥ k+1,): uniforms[i] decides d_{i+1}, uniforms[-1] the draw."""
     k = len(drafts)
     if sampling.temperature == 0:
         target_tokens = logits.argmax(-1)                                                         # (k+1,)
@@ -472,19 +437,25 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     """DFlash decoding: greedy output equals the target's greedy decode, sampled tokens have its distribution.
     drafter=None runs the target alone through this loop (K = 0); full_block computes all B drafter rows (z-lab),
     else K+1; on_tokens(list[int]) gets each round's tokens; seed fixes the K+1 uniforms of each verification."""
-    K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
+    if drafter is None:
+        K = 0
+    else:
+        K = drafter.config.block_size - 1 if num_drafts is None else num_drafts
     check_request(prompt_ids, max_new_tokens, K, **request_limits(target, drafter))
     device, stops = target.get_input_embeddings().weight.device, set(stop_ids)
     on_tokens = on_tokens or (lambda tokens: None)
     generator = torch.Generator(device)
-    generator.seed() if seed is None else generator.manual_seed(seed)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
     uniforms = lambda: torch.rand(K + 1, generator=generator, device=device, dtype=torch.float64)  # (K+1,)
 
     with closing(Capture(target, [] if drafter is None else drafter.config.target_layer_ids)) as capture:
         # Prefill: target logits for the first token and captured features for the whole prompt. A plain
         # DynamicCache keeps every layer whole, so it crops; sliding layers get their window from the mask.
         cache, prompt = DynamicCache(), torch.tensor(prompt_ids, device=device)         # prompt (P,)
-        logits, features = target_forward(target, prompt, 0, cache, capture)
+        logits, features = target_forward(target, prompt, 0, cache, capture)            # (P, V), (P, n·H)
         _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms())   # no drafts: argmax or a draw
         out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
         on_tokens([bonus])
@@ -505,20 +476,63 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
 
                 logits, features = target_forward(target, torch.cat([bonus_id, drafts]), start, cache, capture)
                 accepted, next_token = verify(drafts, logits, sampling, uniforms())         # logits (k+1, V)
-                new_tokens = drafts[:accepted].tolist() + [next_token]
-                # crop(-n) drops the n rejected drafts' K/V
-                cache.crop(start + accepted + 1 - cache.get_seq_length())
-                if drafter is not None:   # the accepted rows and the bonus: the context lags by one
+                cache.crop(accepted - len(drafts))   # a count ≤ 0: the k − a rejected drafts' K/V go
+                if drafter is not None:   # the bonus and the accepted rows (a+1, n·H): the context lags by one
                     append_context(drafter, ctx, drafter.project_context(features[:accepted + 1]))
                 start += accepted + 1
 
-                new_tokens = out.commit(drafts.tolist(), accepted, new_tokens, stops)
-                bonus = new_tokens[-1]
-                on_tokens(new_tokens)
+                written = out.commit(drafts.tolist(), accepted, drafts[:accepted].tolist() + [next_token], stops)
+                bonus = written[-1]
+                on_tokens(written)
         except KeyboardInterrupt:   # Ctrl-C: what was committed comes back with the exception
             out.interrupted = True
             raise Interrupted(out) from None
     return out
+
+
+# -----------------------------------------------------------------------------
+# Training's packed attention: the draft layers' rule, with the context's unseen tiles skipped
+@functools.cache
+def compiled_flex_attention():
+    """flex attention fused by Triton, compiled on first use (torch.compile at import would cost every
+    import of this file a second or two)."""
+    return torch.compile(flex_attention)
+
+
+class PackedMask(NamedTuple):
+    """Training's packed forward on CUDA: W query rows in blocks of B, over keys [S context keys | the
+    W rows themselves]. Each row sees context keys by `context`, a flex attention BlockMask over the
+    context alone (its unseen tiles skipped), and the rows of its own block by `own` (B, B) bool, the
+    same for every block: the layer's causal/window rule within a block."""
+    context: BlockMask
+    own: torch.Tensor
+
+
+def attend_packed(q, keys, values, mask: PackedMask):
+    """attend under a PackedMask, in two parts joined by their log-sum-exps: the context through flex
+    attention (only the tiles some row sees, the K/V heads shared in the kernel) and each block's own B × B
+    rows as small dense products. Kept out of the flex call, the own rows add no partly seen tiles to it
+    (in it, each 128-row tile of 8 blocks of 16 would meet one or two tiles of the rows' keys, 1/8 seen,
+    each applying the rule)."""
+    (h, W, d), hk, B = q.shape[-3:], keys.shape[-3], mask.own.shape[0]
+    S = keys.shape[-2] - W                                                             # context keys
+    # a compiled drafter traces flex attention into its own graph; eager calls on CUDA take the compiled
+    # one (inductor's CPU flex attention returns no log-sum-exp: elsewhere the unfused one)
+    flex = compiled_flex_attention() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
+    out_context, aux = flex(q, keys[..., :S, :], values[..., :S, :], block_mask=mask.context, enable_gqa=True,
+                            return_aux=AuxRequest(lse=True))                           # (..., h, W, d), lse (..., h, W)
+    qb = q.unflatten(-3, (hk, h // hk)).unflatten(-2, (W // B, B))                     # (..., hk, g, W/B, B, d)
+    kb, vb = (t[..., S:, :].unflatten(-2, (W // B, B)).unsqueeze(-4) for t in (keys, values))  # (..., hk, 1, W/B, B, d)
+    exact = aux.lse.dtype                                                              # ≥ fp32, as flex's scores
+    scores = qb.to(exact) @ kb.to(exact).transpose(-1, -2) * d ** -0.5               # (..., hk, g, W/B, B, B)
+    scores = scores.masked_fill(~mask.own, float("-inf"))
+    lse_own = scores.logsumexp(-1)                                                     # (..., hk, g, W/B, B)
+    out_own = (scores - lse_own[..., None]).exp().to(vb.dtype) @ vb                    # (..., hk, g, W/B, B, d)
+    out_own = out_own.flatten(-3, -2).flatten(-4, -3)                                  # (..., h, W, d)
+    lse_own = lse_own.flatten(-2).flatten(-3, -2)                                      # (..., h, W)
+    lse = torch.logaddexp(aux.lse, lse_own)   # (..., h, W), finite: every row sees itself (a window is ≥ 1)
+    out = out_context * (aux.lse - lse).exp()[..., None] + out_own * (lse_own - lse).exp()[..., None]
+    return out.to(q.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -625,10 +639,10 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
     require(len(layer_types) == L and set(layer_types) <= {"full_attention", "sliding_attention"},
             f"draft config: 'layer_types' = {layer_types} must list {L} of full_attention/sliding_attention")
     sliding, window = [t == "sliding_attention" for t in layer_types], key("sliding_window", None)
-    require(bool(window) or not any(sliding),
-            f"draft config: 'sliding_window' = {window!r} but layers are sliding")
     require(window is None or (type(window) is int and window >= 1),
             f"draft config: 'sliding_window' = {window!r} must be a positive integer (keys a query sees)")
+    require(window is not None or not any(sliding), f"draft config: 'layer_types' has sliding_attention at "
+            f"layers {[l for l, s in enumerate(sliding) if s]} but 'sliding_window' is missing")
     rope, thetas = key("rope_parameters", None), []
     for layer_type in layer_types:   # no silent default: a missing base would quietly give wrong positions
         p = rope.get(layer_type, rope) if isinstance(rope, dict) else {}   # flat, or keyed by layer type
@@ -710,7 +724,7 @@ def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) 
     require(cfg.hidden_size == tcfg.hidden_size,
             f"draft config: 'hidden_size' = {cfg.hidden_size} but the target's is {tcfg.hidden_size}")
     for name, want in (("target_hidden_size", tcfg.hidden_size), ("draft_vocab_size", rows)):
-        value = (raw.get("dflash_config") or {}).get(name, raw.get(name))
+        value = config_value(raw, name)
         require(value in (None, want), f"draft config: '{name}' = {value} but the target's is {want}")
     require(0 <= cfg.mask_token_id < rows, f"draft config: 'mask_token_id' = {cfg.mask_token_id} is outside "
             f"the target's {rows} embedding rows")

@@ -992,6 +992,14 @@ BAD_CHECKPOINTS = {
                                    "draft config: 'hidden_act' = 'gelu' is not supported (SwiGLU with silu)"),
     "sliding_window negative": ("laguna", set_top(sliding_window=-1), "draft config: 'sliding_window' = -1 must "
                                 "be a positive integer (keys a query sees)"),
+    "sliding_window 0": ("laguna", set_top(sliding_window=0), "draft config: 'sliding_window' = 0 must be a "
+                         "positive integer (keys a query sees)"),
+    "sliding layers, no sliding_window": ("laguna", lambda p: edit_config(p, lambda c: c.pop("sliding_window")),
+                                          "draft config: 'layer_types' has sliding_attention at layers [0, 1] but "
+                                          "'sliding_window' is missing"),
+    "target_hidden_size null nested, wrong at top": ("zlab", lambda p: (set_nested(target_hidden_size=None)(p),
+                                                                        set_top(target_hidden_size=64)(p)),
+                                                     "draft config: 'target_hidden_size' = 64 but the target's is 32"),
 }
 
 
