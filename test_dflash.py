@@ -3436,6 +3436,27 @@ def test_evaluate_reports_acceptance_and_catches_a_lossy_generate(tiny, tmp_path
     assert (tmp_path / "eval.png").stat().st_size > 10_000
 
 
+def test_evaluate_speedup_is_a_ratio_of_tokens_per_second(tiny, monkeypatch):
+    """Where DFlash's text and the target alone's differ in length (sampling, bf16 near-ties), the
+    speedup is DFlash's tokens/s over the target's, not the ratio of their times: 4 tokens in 1 s
+    against 10 in 2 s is 0.8×, though it took half the time."""
+    _, target, _ = tiny
+    _, drafter = fresh_drafter(target)
+    clock = [0.0]
+    monkeypatch.setattr(evaluation.time, "perf_counter", lambda: clock[0])
+
+    def fake(target_, drafter_, ids, max_new_tokens, **kw):
+        clock[0] += 2.0 if drafter_ is None else 1.0
+        n = 10 if drafter_ is None else 4
+        return dflash.Generation(tokens=[1] * n, acceptance_lengths=[2] * (n // 2), position_accepted=[1, 0, 0],
+                                 position_drafted=[n // 2] * 3)
+    result = evaluation.evaluate(fake, target, drafter, [[1, 2], [3, 4, 5]], 12, progress=False,
+                                 sampling=dflash.Sampling(1.0))
+    assert result["target_seconds"] == 4.0 and result["dflash_seconds"] == 2.0
+    assert result["target_tokens_per_s"] == 5.0 and result["dflash_tokens_per_s"] == 4.0
+    assert result["speedup"] == pytest.approx(0.8)
+
+
 def test_training_plot_puts_the_phases_end_to_end():
     """Each phase's line starts where the one before ended, at its at_init τ where it measured one;
     blocks are counted per step, or batch × anchors in histories that did not record them."""
