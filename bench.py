@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,6 +43,8 @@ SHAPES = {   # target config and DFlash drafter shape
                          draft_layers=3, block_size=16, layer_ids=dflash.default_layer_ids(30, 3)),
 }
 PROJECTED_TAU = 6.5   # the paper's Qwen3-8B GSM8K acceptance length
+MAX_POSITIONS = 4096   # the built target's max_position_embeddings
+MIN_NEW_TOKENS = 25    # a random drafter's run commits one token a round: 24 rounds, 20 after the first 4
 
 
 def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
@@ -49,7 +53,7 @@ def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
                          (LlamaConfig, LlamaForCausalLM)
     keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size"]
-    tcfg = cfg_cls(**{k: shape[k] for k in keys}, max_position_embeddings=4096, tie_word_embeddings=False,
+    tcfg = cfg_cls(**{k: shape[k] for k in keys}, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
                    rope_theta=1e6)
     torch.manual_seed(0)
     with torch.device(device):
@@ -89,6 +93,27 @@ def copy_bandwidth(nbytes=2 << 30) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def skipped(flag: str, rows) -> set[str]:
+    """--skip's comma-separated names, each checked against the rows a script can skip."""
+    names = {name.strip() for name in flag.split(",") if name.strip()}
+    dflash.require(names <= set(rows), f"--skip: {sorted(names - set(rows))} are not rows; use {', '.join(rows)}")
+    return names
+
+
+def require_out_dir(out: str | None):
+    """--out's folder must exist and --out must not be a folder: checked before anything is timed."""
+    if out is not None:
+        dflash.require(not Path(out).is_dir(), f"--out {out} is a directory; give a file name")
+        dflash.require(Path(out).resolve().parent.is_dir(), f"--out {out}: its directory does not exist")
+
+
+def write_json(path: str, value):
+    """The whole file at once: written beside `path`, then moved into place."""
+    part = Path(path).with_name(Path(path).name + ".part")
+    part.write_text(json.dumps(value, indent=2))
+    os.replace(part, path)
+
+
 def param_bytes(module, skip=()) -> int:
     return sum(p.numel() * p.element_size() for name, p in module.named_parameters()
                if not any(s in name for s in skip))
@@ -108,11 +133,13 @@ def round_times(generate_fn, target, drafter, prompt, max_new_tokens) -> tuple[l
     return [b - a for a, b in zip(stamps, stamps[1:])], gen
 
 
-def graph_time(replay, iters=50) -> float:
-    """Median ms of a captured graph's replay, with events around each replay, after 5 warm-ups."""
+def graph_time(replay, iters=50, before=lambda: None) -> float:
+    """Median ms of a captured graph's replay, with events around each replay, after 5 warm-ups;
+    before() runs ahead of each replay, outside the events."""
     times = []
     for i in range(iters + 5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before()
         start.record()
         replay()
         end.record()
@@ -246,7 +273,7 @@ def hf_generate_rate(target, prompt, max_new_tokens, **kwargs) -> float:
     return (statistics.median(run(max_new_tokens) for _ in range(3)) - run(1)) / (max_new_tokens - 1) * 1e3
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -257,10 +284,17 @@ def main():
     p.add_argument("--profile", action="store_true", help="also print the kernels of the graphed AR and DFlash steps")
     p.add_argument("--profile-eager", action="store_true",
                    help="also profile the eager rows: a dflash.py step and an HF generate token")
-    args = p.parse_args()
-    dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
-    skip = set(args.skip.split(","))
+    args = p.parse_args(argv)
+    skip = skipped(args.skip, ("fast", "layers", "dflash-ref", "hf-eager", "hf-static-compile"))
     shape = SHAPES[args.shape]
+    dflash.require(args.prompt_len >= 1, f"--prompt-len = {args.prompt_len} must be at least 1")
+    dflash.require(args.new_tokens >= MIN_NEW_TOKENS, f"--new-tokens = {args.new_tokens} must be at least "
+                   f"{MIN_NEW_TOKENS} (a row is the median of its steps after the first 4, 20 at least)")
+    dflash.require(args.prompt_len + args.new_tokens + shape["block_size"] <= MAX_POSITIONS,
+                   f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} leaves no room for a "
+                   f"block in the target's {MAX_POSITIONS} positions")
+    require_out_dir(args.out)
+    dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
     target, drafter = build_pair(shape)
     K = shape["block_size"] - 1
     prompt = torch.randint(0, shape["vocab_size"] - 1, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -295,11 +329,10 @@ def main():
               flush=True)
         save()
 
-    def save():   # rewritten after every row, so a run cut short still leaves its numbers
+    def save():   # rewritten after every row, in one step, so a run cut short still leaves its numbers
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(conditions=conditions, rows=rows, errors=errors, layers=layers, step_profile=profile,
-                               ar_step_profile=ar_profile), f, indent=2)
+            write_json(args.out, dict(conditions=conditions, rows=rows, errors=errors, layers=layers,
+                                      step_profile=profile, ar_step_profile=ar_profile))
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
@@ -314,9 +347,9 @@ def main():
         add(name + (" step" if dec.drafter is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
             floor_step if dec.drafter is not None else floor_ar, speculative=dec.drafter is not None)
     def add_graph(row, dec, part, floor_bytes):   # one captured part replayed at the mid-generation context length
-        with torch.inference_mode():
-            dec.buf.start.fill_(context)
-            add(row, graph_time(dec.graphs[part].replay), 1.0, floor_bytes / bandwidth * 1e3)
+        with torch.inference_mode():   # a verify advances start: put it back before each replay, untimed
+            ms = graph_time(dec.graphs[part].replay, before=lambda: dec.buf.start.fill_(context))
+        add(row, ms, 1.0, floor_bytes / bandwidth * 1e3)
 
     ar = decoders.get("fast-ar")
     if ar is not None and ar.graphs:   # the AR row is a whole step, host loop included; this is its graph alone

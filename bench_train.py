@@ -6,8 +6,10 @@ one run, after warm-up:
   distill   response tokens/s of the same prompts at the same batch: train.BatchDecoder (static K/V,
             continuous batching, one CUDA graph per temperature) against HF generate (dynamic cache).
             No stop tokens, so every row decodes all new tokens (the rate of rows that run to the
-            cap; on real prompts ended rows are refilled). Floor:
-            per step, max(weights + K/V read / copy bandwidth, matmul FLOPs / measured bf16 rate).
+            cap; on real prompts ended rows are refilled). Floor: per step, max(weights + K/V
+            read / copy bandwidth, matmul FLOPs / measured bf16 rate); the embedding is looked up,
+            not read whole, and each row reads its own K/V, its prompt plus half the new tokens
+            on average.
   train     one optimizer step of the packed forward over every anchor of a batch of sequences, for
             3 and 5 drafter layers: features cached (gathered from a flat device cache) or live (a
             target pass per step); the head's cross-entropy chunked through the frozen head
@@ -40,6 +42,7 @@ import train
 
 SHAPE = bench.SHAPES["smollm2-135m"]
 PADDED = (64, 512)   # the train row with rounded shapes (train.py --pad-shapes 64 512)
+TRAIN_SEQUENCES = 64   # the random sequences the training rows draw their batches from
 
 
 def matmul_rate(n=8192) -> float:
@@ -65,22 +68,29 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def distill_floor_s(target, prompts, new: int, bandwidth: float, flops: float) -> float:
+    """The least time `new` decode steps of every prompt can take: per step, the weights but the
+    embedding read once and each row's K/V up to its length (its prompt plus half of `new` on
+    average), or the matmul FLOPs, whichever takes longer."""
+    cfg = target.config
+    kv_per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2   # bytes (bf16)
+    weights = bench.param_bytes(target, skip=("embed_tokens",))
+    mean_span = sum(map(len, prompts)) / len(prompts) + new / 2
+    step_bytes = weights + len(prompts) * mean_span * kv_per_slot
+    step_flops = 2 * len(prompts) * sum(p.numel() for n, p in target.named_parameters() if "embed_tokens" not in n)
+    return new * max(step_bytes / bandwidth, step_flops / flops)
+
+
 def bench_distill(target, prompts, max_new: int, hf_max_new: int, bandwidth: float, flops: float,
                   skip_hf: bool = False) -> list[dict]:
     """BatchDecoder and HF generate on the same prompts and batch; rows run to max_new (no stops)."""
     Bt, P = len(prompts), max(map(len, prompts))
-    decoder = train.BatchDecoder(target, Bt, P + max_new)
+    decoder = train.BatchDecoder(target, Bt, P + max(max_new, hf_max_new))
     decoder.generate(prompts, max_new)                         # compiles and captures every bucket's graph: untimed
     rows = []
     for new in sorted({hf_max_new, max_new}):
         seconds = statistics.median(timed(lambda: decoder.generate(prompts, new)) for _ in range(3))
-        cfg = target.config
-        kv_per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2   # bytes
-        weights = bench.param_bytes(target)
-        mean_span = P + new / 2
-        step_bytes = weights + Bt * mean_span * kv_per_slot
-        step_flops = 2 * Bt * sum(p.numel() for p in target.parameters())
-        floor = new * max(step_bytes / bandwidth, step_flops / flops)
+        floor = distill_floor_s(target, prompts, new, bandwidth, flops)
         rows.append({"impl": "BatchDecoder (graphs)", "batch": Bt, "new_tokens": new, "seconds": seconds,
                      "tokens_per_s": Bt * new / seconds, "floor_s": floor, "floor_tokens_per_s": Bt * new / floor})
     if skip_hf:
@@ -127,7 +137,7 @@ def full_logits_loss(target, hidden, labels, weights):
 
 def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps: int, runs: list[tuple]) -> list[dict]:
     """One row per run (features, loss, pad_shapes, compiled), each on a fresh drafter."""
-    raw = train.new_drafter_config(target, layers, 16, SHAPE["vocab_size"] - 1, 5)
+    raw = train.new_drafter_config(target, layers, 16, target.get_input_embeddings().weight.shape[0] - 1, 5)
     layer_ids = raw["dflash_config"]["target_layer_ids"]
     weights = train.position_weights(16, 7.0, "cuda")
     cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
@@ -178,7 +188,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
     return rows
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="a real target dir (default: SmolLM2-135M shapes, random weights)")
     p.add_argument("--distill-batch", type=int, default=1024)
@@ -187,8 +197,13 @@ def main():
     p.add_argument("--train-batch", type=int, default=8, help="sequences per training step (every anchor)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", default="", help="comma-separated: distill, hf (its HF generate row), train")
-    p.add_argument("--out", help="write the results as JSON here")
-    args = p.parse_args()
+    p.add_argument("--out", help="write the results as JSON here (after each section)")
+    args = p.parse_args(argv)
+    train.require_at_least(args, 1, "distill_batch", "max_new", "hf_max_new", "train_batch", "steps")
+    skip = bench.skipped(args.skip, ("distill", "hf", "train"))
+    dflash.require(args.train_batch <= TRAIN_SEQUENCES, f"--train-batch = {args.train_batch} must be at most "
+                   f"{TRAIN_SEQUENCES} (the sequences a step draws from)")
+    bench.require_out_dir(args.out)
     dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
     if args.target:
         target = dflash.load_target(args.target, torch.bfloat16, "cuda")
@@ -201,20 +216,25 @@ def main():
               "dtype": "bfloat16", "target": args.target or "SmolLM2-135M shapes, random weights",
               "copy_bandwidth_gb_s": bandwidth / 1e9, "matmul_tflops": flops / 1e12}
     print(json.dumps(result), flush=True)
-    if "distill" not in args.skip:
+
+    def save():   # after each section, in one step: a run cut short keeps the sections before
+        if args.out:
+            bench.write_json(args.out, result)
+    if "distill" not in skip:
         lengths = torch.randint(16, 257, (args.distill_batch,), generator=g).tolist()
         prompts = [torch.randint(0, vocab - 2, (n,), generator=g).tolist() for n in lengths]
         result["distill"] = bench_distill(target, prompts, args.max_new, args.hf_max_new, bandwidth, flops,
-                                          "hf" in args.skip)
+                                          "hf" in skip)
+        save()
         print(f"\ndistill, batch {args.distill_batch}, prompts 16-256 tokens, bf16, copy {bandwidth / 1e9:.0f} GB/s, "
               f"matmul {flops / 1e12:.0f} TFLOP/s")
         print(f"{'impl':30} {'new':>5} {'s':>8} {'tok/s':>10} {'floor tok/s':>12}")
         for r in result["distill"]:
             print(f"{r['impl']:30} {r['new_tokens']:5} {r['seconds']:8.2f} {r['tokens_per_s']:10.0f} "
                   f"{r.get('floor_tokens_per_s', float('nan')):12.0f}")
-    if "train" not in args.skip:
+    if "train" not in skip:
         sequences = [train.Sequence(torch.randint(0, vocab - 2, (int(n),), generator=g), 100)
-                     for n in torch.randint(300, 613, (64,), generator=g)]
+                     for n in torch.randint(300, 613, (TRAIN_SEQUENCES,), generator=g)]
         losses = {"chunked": train.block_loss, "full-logits": full_logits_loss}
         try:
             import liger_kernel  # noqa: F401
@@ -237,9 +257,7 @@ def main():
             print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {pad:>7} {str(r['compiled']):>8} "
                   f"{r['blocks_per_step']:7.0f} {r['step_ms']:8.1f} {r['blocks_per_s']:9.0f} {r['tflops']:8.1f} "
                   f"{r['peak_gib']:8.1f} {r['warmup_s']:9.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        save()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
+import bench
+import bench_train
 import conformance
 import dflash
 import evaluation
@@ -1104,6 +1106,22 @@ BAD_FLAGS = {
                                   "template)"),
     "distill --device tpu": ("train.py", DISTILL + ["--device", "tpu"],
                              "--device = 'tpu' is not a device torch knows (cpu, cuda, cuda:N, ...)"),
+    # the GPU benchmarks check their flags before they look for CUDA
+    "bench --new-tokens 5": ("bench.py", ["--new-tokens", "5"], "--new-tokens = 5 must be at least 25 (a row is "
+                             "the median of its steps after the first 4, 20 at least)"),
+    "bench --prompt-len 0": ("bench.py", ["--prompt-len", "0"], "--prompt-len = 0 must be at least 1"),
+    "bench past the positions": ("bench.py", ["--prompt-len", "4000", "--new-tokens", "90"], "--prompt-len + "
+                                 "--new-tokens = 4090 leaves no room for a block in the target's 4096 positions"),
+    "bench --skip misspelt": ("bench.py", ["--skip", "fast, dflash_ref"], "--skip: ['dflash_ref'] are not rows; "
+                              "use fast, layers, dflash-ref, hf-eager, hf-static-compile"),
+    "bench --out in a missing dir": ("bench.py", ["--out", "{tmp}/nowhere/b.json"],
+                                     "--out {tmp}/nowhere/b.json: its directory does not exist"),
+    "bench_train --steps 0": ("bench_train.py", ["--steps", "0"], "--steps = 0 must be at least 1"),
+    "bench_train --train-batch 65": ("bench_train.py", ["--train-batch", "65"], "--train-batch = 65 must be at "
+                                     "most 64 (the sequences a step draws from)"),
+    "bench_train --skip hf-eager": ("bench_train.py", ["--skip", "hf-eager"], "--skip: ['hf-eager'] are not rows; "
+                                    "use distill, hf, train"),
+    "bench_train --out a dir": ("bench_train.py", ["--out", "{tmp}"], "--out {tmp} is a directory; give a file name"),
 }
 # Run through a real subprocess as well, so that the exit code is the interpreter's.
 IN_A_SUBPROCESS = {"--num-drafts 9", "--target /nonexistent", "--prompt-ids negative, fastpath", "train --heldout 99",
@@ -1122,7 +1140,8 @@ def catalog_paths(checkpoints, tiny, tmp_path_factory):
 
 def cli_main(script):
     return {"dflash.py": dflash.main, "fastpath.py": lambda argv: dflash.main(argv, generate_fn=fastpath.generate),
-            "train.py": train.main, "evaluation.py": evaluation.main}[script]
+            "train.py": train.main, "evaluation.py": evaluation.main, "bench.py": bench.main,
+            "bench_train.py": bench_train.main}[script]
 
 
 @pytest.mark.parametrize("case", CATALOG)
@@ -1160,6 +1179,23 @@ def test_catalog_covers_every_case_named():
              "anchor-first (top level)", "DFlash2 architecture", "DFlash2 keys", "mask embedding file",
              "mask embedding tensor", "d2t map", "draft vocab != target's", "target_hidden_size", "NaN weight"}
     assert named <= set(CATALOG)
+
+
+def test_distill_floor_reads_each_rows_own_kv_and_no_embedding(tiny):
+    """bench_train's distillation floor: per step the weights less the embedding (looked up, not read
+    whole) and each row's K/V up to its own length, its prompt plus half the new tokens on average, not
+    the longest prompt's; or the matmul FLOPs where they take longer."""
+    _, target, _ = tiny
+    cfg = target.config
+    prompts, new = [[1] * 10, [1] * 30], 4
+    weights = sum(p.numel() * p.element_size() for n, p in target.named_parameters() if "embed_tokens" not in n)
+    kv_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    step_bytes = weights + 2 * (20 + new / 2) * kv_slot
+    assert bench_train.distill_floor_s(target, prompts, new, bandwidth=1e9, flops=1e30) == \
+        pytest.approx(new * step_bytes / 1e9)
+    matmul_params = sum(p.numel() for n, p in target.named_parameters() if "embed_tokens" not in n)
+    assert bench_train.distill_floor_s(target, prompts, new, bandwidth=1e30, flops=1e9) == \
+        pytest.approx(new * 2 * 2 * matmul_params / 1e9)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
