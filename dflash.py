@@ -813,7 +813,7 @@ CPU_NUM_DRAFTS = 6
 
 def default_num_drafts(block_size: int, device: str) -> int:
     """K when none is asked for: block_size - 1, or at most CPU_NUM_DRAFTS on CPU."""
-    return min(CPU_NUM_DRAFTS, block_size - 1) if device == "cpu" else block_size - 1
+    return min(CPU_NUM_DRAFTS, block_size - 1) if torch.device(device).type == "cpu" else block_size - 1
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

@@ -182,6 +182,9 @@ def fastpath_generate(stack: ExitStack, target, drafter, capacity: int, K: int, 
 def main(argv=None):
     args = parse_args(argv)
     dflash.require(args.limit is None or args.limit >= 1, f"--limit = {args.limit} must be at least 1")
+    dflash.require(args.max_new_tokens >= 1, f"--max-new-tokens = {args.max_new_tokens} must be at least 1")
+    out = Path(args.out)
+    dflash.require(not out.exists() or out.is_dir(), f"--out {out} is a file; give a directory for eval.json")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -189,12 +192,13 @@ def main(argv=None):
     sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
     target, tokenizer = train.load_target_and_tokenizer(args.target, dtype, device)
     drafter = dflash.load_drafter(args.draft, target, dtype, device)
+    K = args.num_drafts if args.num_drafts is not None else \
+        dflash.default_num_drafts(drafter.config.block_size, device)
+    # the request's limits checked once, before the data sets load (each prompt's length is checked as it runs)
+    dflash.check_request([0], args.max_new_tokens, K, **dflash.request_limits(target, drafter))
     stops = offline.stop_token_ids(target, tokenizer)
     prompts = {name: [train.encode_chat(tokenizer, text) for text in offline.EVAL_DATASETS[name]()[:args.limit]]
                for name in args.datasets}
-    K = args.num_drafts if args.num_drafts is not None else \
-        dflash.default_num_drafts(drafter.config.block_size, device)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
     report = {"target": args.target, "draft": args.draft, "impl": args.impl, "device": hardware,

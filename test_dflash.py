@@ -1086,6 +1086,8 @@ BAD_FLAGS = {
     "train --init, another --block-size": ("train.py", TRAIN + ["--init", "{d}", "--block-size", "8"],
                                            "--block-size = 8 but the --init drafter's is 4: a checkpoint keeps its "
                                            "block, mask id and features (leave the flag out)"),
+    "evaluation --out a file": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{data}"],
+                                "--out {data} is a file; give a directory for eval.json"),
     "evaluation --limit -3": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--limit",
                                                 "-3"], "--limit = -3 must be at least 1"),
     "train --time-budget 0": ("train.py", TRAIN + ["--time-budget", "0"], "--time-budget = 0.0 must be positive"),
@@ -1179,6 +1181,34 @@ def test_catalog_covers_every_case_named():
              "anchor-first (top level)", "DFlash2 architecture", "DFlash2 keys", "mask embedding file",
              "mask embedding tensor", "d2t map", "draft vocab != target's", "target_hidden_size", "NaN weight"}
     assert named <= set(CATALOG)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--impl", "fastpath", "--num-drafts", "-3"], "--num-drafts = -3 must be in 1..3 (the drafter's block_size is 4)"),
+    (["--max-new-tokens", "0"], "--max-new-tokens = 0 must be at least 1")])
+def test_evaluation_checks_the_request_before_the_data_sets_load(catalog_paths, tmp_path, monkeypatch, capsys,
+                                                                 argv, message):
+    """evaluation.py refuses a request no prompt could run in one line, before it reads a data set or
+    makes --out, with either implementation."""
+    monkeypatch.setattr(train, "load_target_and_tokenizer",
+                        lambda path, dtype, device: (dflash.load_target(path, dtype, device), None))
+    def loaded():
+        raise AssertionError("a data set was read")
+    monkeypatch.setattr(offline, "EVAL_DATASETS", {name: loaded for name in offline.EVAL_DATASETS})
+    with pytest.raises(SystemExit) as exit:
+        dflash.run_cli(evaluation.main, argv=["--target", catalog_paths["t"], "--draft", catalog_paths["d"], "--out",
+                                              str(tmp_path / "e"), "--device", "cpu", "--max-new-tokens", "8"] + argv)
+    assert exit.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == "error: " + message
+    assert not (tmp_path / "e").exists()
+
+
+def test_default_num_drafts_caps_k_on_every_cpu_spelling():
+    """The CLI's K when none is asked for: block_size - 1 on CUDA, at most CPU_NUM_DRAFTS on CPU, however the
+    CPU device is written."""
+    for device in ("cpu", "cpu:0", torch.device("cpu")):
+        assert dflash.default_num_drafts(16, str(device)) == dflash.CPU_NUM_DRAFTS
+    assert dflash.default_num_drafts(4, "cpu") == 3
+    assert dflash.default_num_drafts(16, "cuda:0") == 15
 
 
 def test_distill_floor_reads_each_rows_own_kv_and_no_embedding(tiny):

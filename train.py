@@ -51,7 +51,7 @@ from dflash import DFlashError, Drafter
 
 def encode_chat(tokenizer, text: str) -> list[int]:
     """One user message through the chat template, ready for the assistant's answer, no thinking."""
-    dflash.require(bool(tokenizer.chat_template), "tokenizer: no chat template (self-distillation needs the chat format)")
+    dflash.require(bool(tokenizer.chat_template), "tokenizer: no chat template (prompts are encoded in the chat format)")
     return offline.encode_prompt(tokenizer, text, chat=True)
 
 
