@@ -100,6 +100,9 @@ def conversion_problem(directory: Path) -> str | None:
         return f"no {DONE_MARKER}, so it never finished"
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{DONE_MARKER} is unreadable or lists no file hashes ({type(err).__name__})"
+    needed = {"config.json", "model.safetensors"}   # a damaged record must not pass an empty dir as converted
+    if not isinstance(files, dict) or not needed <= set(files):
+        return f"{DONE_MARKER} does not list the hashes of {', '.join(sorted(needed))}"
     for name, digest in files.items():
         path = directory / name
         try:

@@ -3614,6 +3614,12 @@ def test_conversion_is_verified_not_trusted(monkeypatch, tmp_path, capsys):
     offline.ensure_smollm2(cached)
     assert "converted.json is unreadable or lists no file hashes (JSONDecodeError); converting again" in \
         capsys.readouterr().err and len(written) == 3
+    record = (cached / offline.DONE_MARKER).read_text()
+    for damaged in ({"files": {}}, {"files": ["config.json"]}, {"files": {"config.json": hashes["config.json"]}}):
+        (cached / offline.DONE_MARKER).write_text(json.dumps(damaged))   # a record that vouches for too little
+        assert offline.conversion_problem(cached) == \
+            "converted.json does not list the hashes of config.json, model.safetensors"
+    (cached / offline.DONE_MARKER).write_text(record)
 
     def killed(gguf, directory):   # Ctrl-C (or a kill) halfway through writing
         directory.mkdir(parents=True)
