@@ -388,7 +388,9 @@ class Generation:
     interrupted: bool = False                # stopped by Ctrl-C (dflash.Interrupted), not by a stop or the limit
 
     def commit(self, drafts: list[int], accepted: int, new_tokens: list[int], stops) -> list[int]:
-        """Record a round and append its tokens, trimmed at the first stop written; returns those appended."""
+        """Record a round and append its tokens, trimmed at the first stop written; returns those appended.
+        The round's acceptance length is what verification accepted, drafts past a stop included: it
+        measures the drafter, not the text kept."""
         self.acceptance_lengths.append(accepted + 1)
         self.rounds.append({"draft": drafts, "accepted": accepted})
         for i in range(len(drafts)):
