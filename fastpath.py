@@ -21,8 +21,8 @@ names. Every difference from dflash.py:
     context buffers at the block's slots), with grouped heads (K/V never repeated), where dflash.py
     calls SDPA over the committed positions only. On CUDA it is a Triton kernel that reads K/V only
     over that range, scores and softmax in fp32 registers; elsewhere its twin `attend`, a masked
-    softmax over all buffer slots, scores in the working dtype and softmax in fp32 as transformers'
-    eager attention;
+    softmax over all buffer slots, scores in the working dtype and softmax in at least fp32 (float64
+    stays float64, as dflash.py's SDPA keeps it);
   - a target layer's heads: on CUDA one Triton kernel takes the [q; k; v] rows to rotated q and the
     K/V slots (`heads_into_place`: Qwen3's q/k norms, RoPE, the writes); elsewhere the model's modules;
   - prefill: eager, PREFILL_CHUNK positions at a time (so attention scores stay chunk × C);
@@ -98,7 +98,9 @@ def fused_weight(linears: list[nn.Linear]) -> torch.Tensor:
         all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(weights, weights[1:]))
     if back_to_back:
         return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
-    with torch.inference_mode(False), torch.no_grad():   # ordinary tensors: the model may be trained later
+    # ordinary tensors, as the weights are: the model may be trained later; weights made under inference
+    # mode stay inference tensors (a Parameter given an ordinary tensor there would half become one)
+    with torch.inference_mode(any(w.is_inference() for w in weights)), torch.no_grad():
         fused = torch.cat([w.detach() for w in weights])                                # (ΣN, H)
         offset = 0
         for m in linears:
@@ -128,10 +130,12 @@ class FusedDrafter:
     context_norm: nn.Module      # what is left of the context's input norm: 1/rms (Laguna), else identity
 
 
-def weight_versions(module: nn.Module) -> list[int | None]:
-    """Each parameter's version counter, which every in-place write advances (load_state_dict, an optimizer
-    step); None for an inference tensor, which has none (and cannot be written in place outside inference mode)."""
-    return [None if p.is_inference() else p._version for p in module.parameters()]
+def weight_state(module: nn.Module) -> list[tuple[int, int | None]]:
+    """Each parameter's address and version counter: an in-place write advances the counter
+    (load_state_dict, an optimizer step), a new tensor moves the address (load_state_dict(assign=True),
+    `.data =`, `.to()`). An inference tensor has no counter (None): it cannot be written in place outside
+    inference mode."""
+    return [(p.data_ptr(), None if p.is_inference() else p._version) for p in module.parameters()]
 
 
 def fuse_drafter(drafter: Drafter) -> FusedDrafter:
@@ -280,6 +284,7 @@ class DenseTarget:
         attn = self.layers[0].self_attn
         self.head_dim, self.num_kv_heads = attn.head_dim, target.config.num_key_value_heads
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb   # the model's own RoPE
+        self.last_position = target.config.max_position_embeddings - 1
         shape = (batch_size, self.num_kv_heads, capacity, self.head_dim)
         self.batch_keys = zeros(len(self.layers), shape, self.qkv[0])                   # T × (Bt, hk, C, d)
         self.batch_values = zeros(len(self.layers), shape, self.qkv[0])
@@ -299,7 +304,10 @@ class DenseTarget:
         `layer_fn` runs each layer (default `dense_layer`; train.BatchDecoder passes a compiled one)."""
         model, layer_fn, Bt = self.target.model, layer_fn or dense_layer, len(ids)
         x = model.embed_tokens(ids)                                                     # (Bt, N, H)
-        cos, sin = model.rotary_emb(x, slots)                                           # (Bt, N, d)
+        # rows past the model's last position (a verify's, near the end of a request, that cannot be
+        # accepted) rotate as that position: a RoPE that rescales for longer inputs (dynamic) would
+        # otherwise rotate every row of the forward anew
+        cos, sin = model.rotary_emb(x, slots.clamp(max=self.last_position))            # (Bt, N, d)
         slots, cos, sin = stored(slots), stored(cos), stored(sin)   # once, not once per kernel call
         captured = {}
         for l, layer in enumerate(self.layers):
@@ -321,6 +329,9 @@ class ModelTarget:
     def __init__(self, target, layer_ids: list[int], capacity: int):
         from transformers.cache_utils import Cache, StaticLayer
         self.target, tcfg, w = target, target.config.get_text_config(), target.get_input_embeddings().weight
+        dflash.require(getattr(tcfg, "kv_lora_rank", None) is None, f"fastpath: {tcfg.model_type} targets attend "
+                       "through compressed keys and values (MLA), whose cache shapes this static cache does not hold; "
+                       "dflash.py runs them")
         self.cache = Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(tcfg.num_hidden_layers)])
         head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
         kv_heads = getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads   # none given: no GQA
@@ -365,15 +376,17 @@ def append_context(drafter: FusedDrafter, buf: Buffers, c, positions):
 def attend(q, keys, values, mask, scale: float):
     """Masked softmax attention of q (*, N, h, d) over keys/values (*, hk, S, d), mask (*, N, S) -> (*, N, h·d),
     for any leading batch dims *. The g query heads of each K/V head are stacked as rows, so K/V are read
-    once and never repeated. As transformers' eager attention: scores in the working dtype, softmax in
-    fp32. Compiled, this is two batched matmuls and a fused masked softmax, for any S."""
+    once and never repeated. Scores in the working dtype, softmax in at least fp32: as transformers' eager
+    attention below fp32, in float64 for float64 (as SDPA, which dflash.py calls). Compiled, this is two
+    batched matmuls and a fused masked softmax, for any S."""
     *batch, N, h, d = q.shape
     hk, S = keys.shape[-3], keys.shape[-2]
     g = h // hk
     q = q.reshape(*batch, N, hk, g, d).movedim(-4, -2).reshape(*batch, hk, g * N, d)    # (*, hk, g·N, d)
     scores = (q @ keys.transpose(-1, -2)) * scale                                       # (*, hk, g·N, S)
     scores = scores.view(*batch, hk, g, N, S).masked_fill(~mask[..., None, None, :, :], float("-inf"))
-    p = scores.softmax(-1, dtype=torch.float32).to(values.dtype).view(*batch, hk, g * N, S)
+    p = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(values.dtype)
+    p = p.view(*batch, hk, g * N, S)                                                    # (*, hk, g·N, S)
     o = p @ values                                                                      # (*, hk, g·N, d)
     return o.view(*batch, hk, g, N, d).movedim(-2, -4).reshape(*batch, N, h * d)        # (*, N, h·d)
 
@@ -630,16 +643,20 @@ class Decoder:
         self.capacity, self.K = capacity, num_drafts
         self.device, K = target.get_input_embeddings().weight.device, num_drafts
         layer_ids = [] if drafter is None else drafter.config.target_layer_ids
-        self.target_stack = (DenseTarget if DenseTarget.supports(target) else ModelTarget)(target, layer_ids, capacity)
         counter = lambda dtype=torch.long, n=(): torch.zeros(n, dtype=dtype, device=self.device)
         ctx_keys = ctx_values = []
         if drafter is not None:
             cfg = drafter.config
-            self.fused, self.drafter_versions = fuse_drafter(drafter), weight_versions(drafter)
+            self.fused = fuse_drafter(drafter)
             width = cfg.block_size if full_block else K + 1
             self.mask_ids = torch.full((width - 1,), cfg.mask_token_id, device=self.device)   # (W-1,)
             shape, like = (cfg.num_kv_heads, capacity + width, cfg.head_dim), drafter.fc.weight   # + the block
             ctx_keys, ctx_values = zeros(cfg.num_layers, shape, like), zeros(cfg.num_layers, shape, like)
+        # last of the large allocations: a ModelTarget's hooks stay on the target until close()
+        self.target_stack = (DenseTarget if DenseTarget.supports(target) else ModelTarget)(target, layer_ids, capacity)
+        # what the fused matrices and the context rows were copied from, checked before each request
+        self.weights = [weight_state(m) for m in (target, drafter) if m is not None]
+        self.closed = False
         self.buf = Buffers(start=counter(), max_accept=counter(), uniforms=counter(torch.float64, K + 1),
                            verify_ids=counter(n=K + 1), result=counter(n=2 * K + 2),
                            target_keys=self.target_stack.keys, target_values=self.target_stack.values,
@@ -649,6 +666,7 @@ class Decoder:
 
     def close(self):
         self.target_stack.close()
+        self.closed = True
 
     def prefill(self, prompt_ids: list[int]) -> int:
         """Eager, variable length, PREFILL_CHUNK positions at a time (attention scores are chunk × C):
@@ -741,9 +759,10 @@ class Decoder:
         uniforms, so sampled runs match too. A request past the capacity is refused before anything
         is written."""
         K, buf = self.K, self.buf
-        dflash.require(self.drafter is None or weight_versions(self.drafter) == self.drafter_versions,
-                       "fastpath.Decoder: the drafter's weights changed after this Decoder was built, and it holds "
-                       "a copy of their context k/v rows; build a new Decoder")
+        dflash.require(not self.closed, "fastpath.Decoder: closed (its capture hooks are gone); build a new Decoder")
+        dflash.require(self.weights == [weight_state(m) for m in (self.target, self.drafter) if m is not None],
+                       "fastpath.Decoder: the target's or drafter's weights changed after this Decoder was built, "
+                       "and it holds fused copies of them; build a new Decoder")
         dflash.check_request(prompt_ids, max_new_tokens, K, **dflash.request_limits(self.target, self.drafter))
         dflash.require(len(prompt_ids) + max_new_tokens + K <= self.capacity, f"prompt + --max-new-tokens + K = "
                        f"{len(prompt_ids)} + {max_new_tokens} + {K} exceeds the buffer capacity {self.capacity}")
@@ -782,7 +801,7 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     anew on CUDA); hold a Decoder to serve many. `capacity` defaults to what the request needs."""
     K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
     dflash.check_request(prompt_ids, max_new_tokens, K, **dflash.request_limits(target, drafter))
-    capacity = capacity or capacity_for(len(prompt_ids), max_new_tokens, K)
+    capacity = capacity_for(len(prompt_ids), max_new_tokens, K) if capacity is None else capacity
     with closing(Decoder(target, drafter, capacity, K, full_block, sampling)) as decoder:
         return decoder.generate(prompt_ids, max_new_tokens, stop_ids=stop_ids, on_tokens=on_tokens, seed=seed)
 

@@ -1512,22 +1512,94 @@ def test_held_decoder_serves_many_requests_and_close_removes_its_hooks(targets, 
     assert [dict(layer._forward_hooks) for layer in layers] == before
 
 
-def test_held_decoder_refuses_a_drafter_whose_weights_changed(targets, drafters):
-    """A Decoder holds a copy of the drafter's context k/v rows: once the drafter's weights change
-    (load_state_dict), generate() refuses with a message rather than draft from old and new weights at
-    once, and a new Decoder gives what dflash.py gives. A target-only Decoder with drafts is refused."""
+@pytest.mark.parametrize("changed", ["drafter", "target"])
+@pytest.mark.parametrize("how", ["in place", "assign"])
+def test_held_decoder_refuses_weights_that_changed(targets, drafters, changed, how):
+    """A Decoder holds fused copies of the target's and drafter's weights: once either changes, written in
+    place (load_state_dict) or replaced (load_state_dict(assign=True)), generate() refuses with a message
+    rather than decode from old and new weights at once, and a new Decoder gives what dflash.py gives."""
     import copy
-    target, drafter = targets["qwen3"], copy.deepcopy(drafters("qwen3", "zlab", 4))
+    target, drafter = copy.deepcopy(targets["qwen3"]), copy.deepcopy(drafters("qwen3", "zlab", 4))
     prompt = [5, 3, 9, 2]
     with closing(fastpath.Decoder(target, drafter, 32, 3)) as dec:
         assert dec.generate(prompt, 12).rounds == dflash.generate(target, drafter, prompt, 12, num_drafts=3).rounds
-        drafter.load_state_dict({name: torch.randn_like(p) for name, p in drafter.state_dict().items()})
-        with pytest.raises(DFlashError, match="the drafter's weights changed after this Decoder was built"):
+        model = {"drafter": drafter, "target": target}[changed]
+        g = torch.Generator().manual_seed(1)
+        model.load_state_dict({name: torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1
+                               for name, p in model.state_dict().items()}, assign=how == "assign")
+        with pytest.raises(DFlashError, match="the target's or drafter's weights changed after this Decoder was built"):
             dec.generate(prompt, 12)
     with closing(fastpath.Decoder(target, drafter, 32, 3)) as dec:
         assert dec.generate(prompt, 12).rounds == dflash.generate(target, drafter, prompt, 12, num_drafts=3).rounds
+    with pytest.raises(DFlashError, match="fastpath.Decoder: closed"):
+        dec.generate(prompt, 12)
+
+
+def test_decoder_refuses_drafts_without_a_drafter(targets):
+    """A target-only Decoder asked for drafts is refused, naming the value."""
     with pytest.raises(DFlashError, match=r"num_drafts = 3 without a drafter \(target-only decoding drafts nothing"):
-        fastpath.Decoder(target, None, 32, 3)
+        fastpath.Decoder(targets["qwen3"], None, 32, 3)
+
+
+def test_models_made_under_inference_mode_run_in_both_files(checkpoints, tmp_path):
+    """A target and drafter loaded under torch.inference_mode: fastpath fuses their weights as inference
+    tensors, and afterwards fastpath, dflash.py and the target's own forward still run, with equal tokens."""
+    with torch.inference_mode():
+        target = dflash.load_target(str(checkpoints["qwen3"]), torch.float64, "cpu")
+        drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab")), target, torch.float64, "cpu")
+    prompt = [5, 3, 9, 2]
+    fast = fastpath.generate(target, drafter, prompt, 12)
+    ref = dflash.generate(target, drafter, prompt, 12)
+    assert fast.tokens == ref.tokens and fast.rounds == ref.rounds
+    with torch.inference_mode():
+        target(input_ids=torch.tensor([prompt]))
+
+
+def test_fastpath_refuses_an_mla_target_that_dflash_runs(tmp_path):
+    """A target with compressed-key attention (MLA, DeepSeek-V3's): dflash.py's dynamic cache runs it, and
+    fastpath, whose static cache has one head shape for keys and values, refuses it in one line."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=H, intermediate_size=64, num_hidden_layers=T_LAYERS,
+                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=MAX_POS,
+                           bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+                           kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           first_k_dense_replace=T_LAYERS, n_group=1, topk_group=1)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mla")
+    target = dflash.load_target(str(tmp_path / "mla"), torch.float64, "cpu")
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab")), target, torch.float64, "cpu")
+    assert_same_tokens(dflash.generate(target, drafter, [5, 3, 9], 10).tokens, hf_greedy(target, [5, 3, 9], 10))
+    with pytest.raises(DFlashError, match=r"fastpath: deepseek_v3 targets attend through compressed keys and values "
+                                          r"\(MLA\)"):
+        fastpath.generate(target, drafter, [5, 3, 9], 10)
+
+
+def test_fastpath_runs_a_dynamic_rope_target_to_its_last_position(tmp_path):
+    """A dense target whose RoPE rescales for inputs past its max_position_embeddings (`dynamic`): with
+    requests ending at its last position and a verify of 16 rows, the rows past what can be accepted
+    rotate as the last position, so no forward rescales, and fastpath's tokens and rounds equal
+    dflash.py's and HF greedy's. (Rotated at their own positions, they rescaled every row of their
+    forward, and both prompts' texts differed.)"""
+    from transformers import AutoModelForCausalLM
+    cfg = target_config("llama", rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    cfg.max_position_embeddings = 32
+    torch.manual_seed(1)
+    target = AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval()
+    with torch.no_grad():   # attention that RoPE steers, and peaked logits
+        for layer in target.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+        target.lm_head.weight.mul_(20)
+    assert fastpath.DenseTarget.supports(target)
+    drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=16)), target, torch.float64,
+                                  "cpu")
+    for prompt in ([53, 5, 33, 65, 62, 51, 38, 61, 45, 74, 27, 64, 17, 36, 17, 12], [45, 55, 40, 78, 81, 26, 70]):
+        ref = dflash.generate(target, drafter, prompt, 32 - len(prompt))
+        fast = fastpath.generate(target, drafter, prompt, 32 - len(prompt))
+        assert_same_tokens(fast.tokens, ref.tokens)
+        assert fast.rounds == ref.rounds
+        assert_same_tokens(ref.tokens, hf_greedy(target, prompt, 32 - len(prompt)))
 
 
 def test_fastpath_runs_a_learned_position_target_to_its_last_position(tmp_path):
@@ -2305,7 +2377,7 @@ def test_batch_decoder_equals_hf_greedy_prompt_by_prompt(tmp_path, family):
 def test_attend_upto_is_causal_attention_by_slot():
     """attend_upto (the plain-torch twin that CPU runs) is attention where the query at [b, n] sees
     row b's slots 0..last[b, n]: as float64 SDPA over those slots alone, with K/V heads shared by g
-    queries, to fp32 rounding (attend's softmax runs in fp32, as transformers' eager attention)."""
+    queries, to float64 rounding (attend's softmax keeps float64, as SDPA does)."""
     g = torch.Generator().manual_seed(0)
     Bt, N, h, hk, d, S = 3, 4, 6, 2, 8, 20
     q = torch.randn(Bt, N, h, d, dtype=torch.float64, generator=g)
@@ -2318,7 +2390,7 @@ def test_attend_upto_is_causal_attention_by_slot():
             k = keys[b, :, :upto].repeat_interleave(h // hk, 0)                          # (h, upto, d)
             v = values[b, :, :upto].repeat_interleave(h // hk, 0)
             want = F.scaled_dot_product_attention(q[b, n][:, None], k, v, scale=0.3)[:, 0]   # (h, d)
-            torch.testing.assert_close(got[b, n], want, rtol=1e-5, atol=1e-6)   # softmax in fp32, as attend has it
+            torch.testing.assert_close(got[b, n], want, rtol=1e-12, atol=1e-13)
 
 
 def test_visible_slots_are_the_reference_mask():
