@@ -13,8 +13,10 @@ also projected at τ = 6.5), then times, after warm-up, with CUDA events / synch
 and per layer (one target layer at 1 and K+1 rows, one drafter layer, each compiled and captured
 alone): kernels, kernel time, replay time and the kernels by name.
 
-Each row: median ms per step (≥ 20 steps), tokens/s at the measured τ and at τ = 6.5, and the floor
-= bytes that must be read per step / device copy bandwidth measured in this run.
+Each row: ms per step, tokens/s at the measured τ and at τ = 6.5, and the floor = bytes that must be
+read per step / device copy bandwidth measured in this run. A fastpath or dflash.py row is the median
+of its decode steps after the first 4 (20 at least); a graph row the median of 50 replays; an HF row
+the median of 3 runs of 64 tokens, less a 1-token run (the prefill), over 63.
 
     $ python bench.py --shape qwen3-8b --out bench-qwen3-8b.json
     $ python bench.py --shape smollm2-135m
