@@ -79,8 +79,8 @@ def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], ma
     new_tokens = sum(p["new_tokens"] for p in per_prompt)
     return {"prompts": len(prompts), "block_size": drafter.config.block_size, "num_drafts": K,
             "max_new_tokens": max_new_tokens,
-            "tau": sum(lengths) / max(len(lengths), 1),
-            "acceptance": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+            "tau": sum(lengths) / len(lengths) if lengths else None,   # None: no round ran (nothing to rate)
+            "acceptance": [a / d if d else None for a, d in zip(accepted, drafted)],   # None: never drafted
             "target_seconds": t_target, "dflash_seconds": t_dflash,
             "speedup": (new_tokens / t_dflash) / (target_tokens / t_target),
             "target_tokens_per_s": target_tokens / t_target,
@@ -107,16 +107,17 @@ def plot_eval(results: dict[str, dict], path: Path) -> bool:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in results.items():
-        left.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o", label=f"{name} (τ {r['tau']:.2f})")
+        tau = "no rounds" if r["tau"] is None else f"τ {r['tau']:.2f}"
+        left.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o", label=f"{name} ({tau})")
     left.set(xlabel="draft position k in the block", ylabel="accepted / drafted", ylim=(0, 1.02),
              title="acceptance per block position")
     left.legend()
     names = list(results)
     x = torch.arange(len(names)).float()
-    right.bar(x - 0.2, [results[n]["tau"] for n in names], width=0.4, label="τ (tokens / round)")
+    right.bar(x - 0.2, [results[n]["tau"] or 0.0 for n in names], width=0.4, label="τ (tokens / round)")
     right.bar(x + 0.2, [results[n]["speedup"] for n in names], width=0.4, label="speedup vs target alone")
     right.set_xticks(x.tolist(), names)
-    top = max(max(results[n]["tau"], results[n]["speedup"]) for n in names)
+    top = max(max(results[n]["tau"] or 0.0, results[n]["speedup"]) for n in names)
     right.set(title="τ and wall-clock speedup", ylim=(0, 1.3 * top))   # headroom for the legend
     right.legend(loc="upper center", ncols=2)
     fig.tight_layout()
@@ -220,7 +221,8 @@ def main(argv=None):
                 verdict = (f"differs from the target alone on {len(r['mismatched_prompts'])}/{r['prompts']} prompts: in "
                            f"{str(dtype).removeprefix('torch.')} a {drafter.config.block_size}-row verify rounds "
                            f"differently from a 1-row step, so near-tied argmaxes can flip (float32 is token-identical)")
-            print(f"{name}: {r['prompts']} prompts, τ {r['tau']:.2f}, speedup {r['speedup']:.2f}x "
+            tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+            print(f"{name}: {r['prompts']} prompts, τ {tau}, speedup {r['speedup']:.2f}x "
                   f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), {verdict}",
                   file=sys.stderr)
             # after each dataset, and in one step: a cut run keeps the datasets before

@@ -3566,6 +3566,10 @@ def test_evaluate_reports_acceptance_and_catches_a_lossy_generate(tiny, tmp_path
                              sampling=dflash.Sampling(1.0), seed=1)
     assert sampled["lossless"] is None and sampled["mismatched_prompts"] == []   # other draws than target alone
 
+    one = evaluation.evaluate(dflash.generate, target, drafter, prompts, 1, progress=False)
+    assert one["tau"] is None and one["acceptance"] == [None] * 3   # one token each: no round, nothing drafted
+    assert evaluation.plot_eval({"one token": one}, tmp_path / "one.png")
+
     bad = evaluation.evaluate(lossy, target, drafter, prompts, 12, progress=False)
     assert not bad["lossless"] and bad["mismatched_prompts"] == [1]
     assert bad["per_prompt"][1]["first_mismatch"] == 5
