@@ -639,7 +639,7 @@ class Decoder:
                  sampling: Sampling = Sampling()):
         dflash.require(drafter is not None or num_drafts == 0, f"fastpath.Decoder: num_drafts = {num_drafts} "
                        "without a drafter (target-only decoding drafts nothing: 0)")
-        self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.target, self.drafter, self._sampling = target, drafter, sampling
         self.capacity, self.K = capacity, num_drafts
         self.device, K = target.get_input_embeddings().weight.device, num_drafts
         layer_ids = [] if drafter is None else drafter.config.target_layer_ids
@@ -663,6 +663,11 @@ class Decoder:
                            ctx_keys=ctx_keys, ctx_values=ctx_values)
         # The captured draft/verify graphs, captured on the first CUDA step; False: the parts run eagerly.
         self.graphs = None if self.device.type == "cuda" else False
+
+    @property
+    def sampling(self) -> Sampling:
+        """Fixed when the Decoder is built (no setter): the captured graphs hold it."""
+        return self._sampling
 
     def close(self):
         self.target_stack.close()
