@@ -2006,8 +2006,10 @@ def test_loss_weights_follow_gamma_rule():
     """w_k = exp(-(k-1)/γ) for k ≥ 1 and 0 on the bonus row; γ = 7, 5, 4 for B = 16, 10, 8."""
     assert [train.default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
     w = train.position_weights(16, 7.0)
-    assert w[0] == 0 and w[1] == 1
+    assert w.dtype == torch.float32 and w[0] == 0 and w[1] == 1
     torch.testing.assert_close(w[2:], torch.exp(-torch.arange(1, 15) / 7.0))
+    exact = train.position_weights(16, 7.0, dtype=torch.float64)   # for a float64 drafter: float64's rounding
+    assert torch.equal(exact[1:], torch.exp(-torch.arange(0, 15, dtype=torch.float64) / 7.0))
 
 
 @pytest.mark.parametrize("fmt", ["zlab", "zlab-new", "laguna"])

@@ -807,10 +807,11 @@ def lm_logits(target, hidden):
     return head(hidden.to(head.weight.dtype)).to(torch.promote_types(head.weight.dtype, torch.float32))   # (M, V)
 
 
-def position_weights(block_size: int, gamma: float, device=None):
-    """w_k = exp(-(k-1)/γ) for block rows k ≥ 1; the bonus row 0 has no label and weight 0."""
-    k = torch.arange(block_size, dtype=torch.float32, device=device)                  # (B,)
-    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+def position_weights(block_size: int, gamma: float, device=None, dtype=torch.float32):
+    """w_k = exp(-(k-1)/γ) for block rows k ≥ 1, in float64 then `dtype` (the drafter's: float32 in
+    training, float64 where it is held to float64 math); the bonus row 0 has no label and weight 0."""
+    k = torch.arange(block_size, dtype=torch.float64, device=device)                  # (B,)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k)).to(dtype)
 
 
 def head_chunk_grad(logits, labels, row_weights):
@@ -1189,7 +1190,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     if cfg.compile:
         compile_drafter(drafter)
     chunk_grad = head_loss_chunk(cfg.compile, cfg.soft_labels)   # compiled: fused passes over each chunk's logits
-    weights = position_weights(B, cfg.gamma or default_gamma(B), device)             # (B,)
+    weights = position_weights(B, cfg.gamma or default_gamma(B), device, next(drafter.parameters()).dtype)   # (B,)
     steps_per_epoch = sum(math.ceil(len(run) / cfg.batch_size)
                           for run in shards(list(range(len(sequences))), sequences, cfg.cache_tokens, cfg.batch_size))
     plan = {"planned": min(cfg.epochs * steps_per_epoch, cfg.max_steps or 10**12)}
