@@ -741,7 +741,8 @@ class CachedFeatures:
     """Features and the target's labels (and with `teacher` its teacher states) of every sequence,
     captured once: the features kept flat on the device (n·H values per token, and H more for the
     teacher), the labels on the host, so that building a batch waits for no kernel; then gathered per
-    batch, the same tensors LiveFeatures returns."""
+    batch: within each sequence the same tensors LiveFeatures returns, zeros past its end (where
+    LiveFeatures has the target's states on padding, which no block sees)."""
 
     def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, teacher: bool = False,
                  tokens_per_pass: int = 16384):
