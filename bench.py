@@ -47,6 +47,7 @@ SHAPES = {   # target config and DFlash drafter shape
 PROJECTED_TAU = 6.5   # the paper's Qwen3-8B GSM8K acceptance length
 MAX_POSITIONS = 4096   # the built target's max_position_embeddings
 MIN_NEW_TOKENS = 25    # a random drafter's run commits one token a round: 24 rounds, 20 after the first 4
+HF_NEW_TOKENS = 64     # what each HF row generates
 
 
 def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
@@ -292,9 +293,10 @@ def main(argv=None):
     dflash.require(args.prompt_len >= 1, f"--prompt-len = {args.prompt_len} must be at least 1")
     dflash.require(args.new_tokens >= MIN_NEW_TOKENS, f"--new-tokens = {args.new_tokens} must be at least "
                    f"{MIN_NEW_TOKENS} (a row is the median of its steps after the first 4, 20 at least)")
-    dflash.require(args.prompt_len + args.new_tokens + shape["block_size"] <= MAX_POSITIONS,
-                   f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} leaves no room for a "
-                   f"block in the target's {MAX_POSITIONS} positions")
+    longest = args.prompt_len + max(args.new_tokens, 0 if skip >= {"hf-eager", "hf-static-compile"} else HF_NEW_TOKENS)
+    dflash.require(longest + shape["block_size"] <= MAX_POSITIONS,
+                   f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} (at least {HF_NEW_TOKENS} "
+                   f"for the HF rows) leaves no room for a block in the target's {MAX_POSITIONS} positions")
     require_out_dir(args.out)
     dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
     target, drafter = build_pair(shape)
@@ -382,7 +384,7 @@ def main(argv=None):
         if args.profile_eager:
             profile_eager("a dflash.py step", lambda n: dflash.generate(target, drafter, prompt, n), 8)
     if "hf-eager" not in skip:
-        add("hf-eager", hf_generate_rate(target, prompt, 64), 1.0, floor_ar)
+        add("hf-eager", hf_generate_rate(target, prompt, HF_NEW_TOKENS), 1.0, floor_ar)
         if args.profile_eager:
             ids = torch.tensor([prompt], device="cuda")
             profile_eager("an HF generate token", lambda n: target.generate(
@@ -392,7 +394,7 @@ def main(argv=None):
         eager_forward = target.forward
         try:
             target.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
-            add("hf-static-compile", hf_generate_rate(target, prompt, 64, cache_implementation="static"),
+            add("hf-static-compile", hf_generate_rate(target, prompt, HF_NEW_TOKENS, cache_implementation="static"),
                 1.0, floor_ar)
         except Exception as err:   # report, keep going: this row is known to fail on some releases
             errors["hf-static-compile"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"

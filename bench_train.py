@@ -71,13 +71,16 @@ def timed(fn) -> float:
 def distill_floor_s(target, prompts, new: int, bandwidth: float, flops: float) -> float:
     """The least time `new` decode steps of every prompt can take: per step, the weights but the
     embedding read once and each row's K/V up to its length (its prompt plus half of `new` on
-    average), or the matmul FLOPs, whichever takes longer."""
+    average), or the matmul FLOPs, whichever takes longer. A tied embedding is the LM head too, and
+    counts as one."""
     cfg = target.config
     kv_per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2   # bytes (bf16)
-    weights = bench.param_bytes(target, skip=("embed_tokens",))
+    embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    matmul = [p for p in target.parameters() if p is not embedding or p is head]   # every weight but a lookup
+    weights = sum(p.numel() * p.element_size() for p in matmul)
     mean_span = sum(map(len, prompts)) / len(prompts) + new / 2
     step_bytes = weights + len(prompts) * mean_span * kv_per_slot
-    step_flops = 2 * len(prompts) * sum(p.numel() for n, p in target.named_parameters() if "embed_tokens" not in n)
+    step_flops = 2 * len(prompts) * sum(p.numel() for p in matmul)
     return new * max(step_bytes / bandwidth, step_flops / flops)
 
 
@@ -220,6 +223,7 @@ def main(argv=None):
     def save():   # after each section, in one step: a run cut short keeps the sections before
         if args.out:
             bench.write_json(args.out, result)
+    save()   # the conditions, before any section
     if "distill" not in skip:
         lengths = torch.randint(16, 257, (args.distill_batch,), generator=g).tolist()
         prompts = [torch.randint(0, vocab - 2, (n,), generator=g).tolist() for n in lengths]

@@ -401,8 +401,8 @@ class Generation:
         return new_tokens[:stop_at + 1]
 
     @property
-    def tau(self) -> float:   # mean tokens committed per verification round, bonus included
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+    def tau(self) -> float | None:   # mean tokens committed per verification round, bonus included
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else None
 
 
 def request_limits(target, drafter=None) -> dict:

@@ -133,8 +133,9 @@ class FusedDrafter:
 def weight_state(module: nn.Module) -> list[tuple[int, int | None]]:
     """Each parameter's address and version counter: an in-place write advances the counter
     (load_state_dict, an optimizer step), a new tensor moves the address (load_state_dict(assign=True),
-    `.data =`, `.to()`). An inference tensor has no counter (None): it cannot be written in place outside
-    inference mode."""
+    `.data =`, `.to()`). A write through `.data` in place (`p.data.copy_(...)`, as an EMA does) bypasses
+    autograd and advances neither: build a new Decoder after one. An inference tensor has no counter
+    (None): it cannot be written in place outside inference mode."""
     return [(p.data_ptr(), None if p.is_inference() else p._version) for p in module.parameters()]
 
 
@@ -764,7 +765,7 @@ class Decoder:
         uniforms, so sampled runs match too. A request past the capacity is refused before anything
         is written."""
         K, buf = self.K, self.buf
-        dflash.require(not self.closed, "fastpath.Decoder: closed (its capture hooks are gone); build a new Decoder")
+        dflash.require(not self.closed, "fastpath.Decoder: closed; build a new Decoder")
         dflash.require(self.weights == [weight_state(m) for m in (self.target, self.drafter) if m is not None],
                        "fastpath.Decoder: the target's or drafter's weights changed after this Decoder was built, "
                        "and it holds fused copies of them; build a new Decoder")

@@ -223,7 +223,7 @@ def printer(tokenizer):
 def stats_table(gen, seconds: float) -> str:
     """A generation's tokens, rounds, τ, speed and acceptance per draft position, as the CLI prints them."""
     rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
-    rows = [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", f"{gen.tau:.2f}"),
+    rows = [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", "-" if gen.tau is None else f"{gen.tau:.2f}"),
             ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")] + ([("accept@pos", " ".join(rates))] if rates else [])
     if getattr(gen, "interrupted", False):
         rows.append(("interrupted", "by Ctrl-C; the figures above cover the tokens before it"))

@@ -1113,7 +1113,11 @@ BAD_FLAGS = {
                              "the median of its steps after the first 4, 20 at least)"),
     "bench --prompt-len 0": ("bench.py", ["--prompt-len", "0"], "--prompt-len = 0 must be at least 1"),
     "bench past the positions": ("bench.py", ["--prompt-len", "4000", "--new-tokens", "90"], "--prompt-len + "
-                                 "--new-tokens = 4090 leaves no room for a block in the target's 4096 positions"),
+                                 "--new-tokens = 4090 (at least 64 for the HF rows) leaves no room for a block in "
+                                 "the target's 4096 positions"),
+    "bench past the positions in the HF rows": ("bench.py", ["--prompt-len", "4020", "--new-tokens", "30"],
+                                                "--prompt-len + --new-tokens = 4050 (at least 64 for the HF rows) "
+                                                "leaves no room for a block in the target's 4096 positions"),
     "bench --skip misspelt": ("bench.py", ["--skip", "fast, dflash_ref"], "--skip: ['dflash_ref'] are not rows; "
                               "use fast, layers, dflash-ref, hf-eager, hf-static-compile"),
     "bench --out in a missing dir": ("bench.py", ["--out", "{tmp}/nowhere/b.json"],
@@ -1202,6 +1206,19 @@ def test_evaluation_checks_the_request_before_the_data_sets_load(catalog_paths, 
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.parametrize("module", [dflash, fastpath], ids=["dflash", "fastpath"])
+def test_a_generation_without_rounds_has_no_tau(targets, drafters, module):
+    """One new token comes from the prefill, with no verification round: τ is None (nothing to average),
+    the CLI's table prints it as '-', and the JSON as null; a round with no drafts counts as τ_r = 1."""
+    target, drafter = targets["qwen3"], drafters("qwen3", "zlab", 4)
+    one = module.generate(target, drafter, [5, 3, 9], 1)
+    assert len(one.tokens) == 1 and one.rounds == [] and one.tau is None
+    assert re.search(r"^\s+tau  -$", offline.stats_table(one, 1.0), re.M)
+    assert json.loads(json.dumps({"tau": one.tau})) == {"tau": None}
+    two = module.generate(target, drafter, [5, 3, 9], 2)
+    assert [r["draft"] for r in two.rounds] == [[]] and two.tau == 1.0
+
+
 def test_default_num_drafts_caps_k_on_every_cpu_spelling():
     """The CLI's K when none is asked for: block_size - 1 on CUDA, at most CPU_NUM_DRAFTS on CPU, however the
     CPU device is written."""
@@ -1226,6 +1243,14 @@ def test_distill_floor_reads_each_rows_own_kv_and_no_embedding(tiny):
     matmul_params = sum(p.numel() for n, p in target.named_parameters() if "embed_tokens" not in n)
     assert bench_train.distill_floor_s(target, prompts, new, bandwidth=1e30, flops=1e9) == \
         pytest.approx(new * 2 * 2 * matmul_params / 1e9)
+    from transformers import AutoModelForCausalLM
+    tied_cfg = target_config("llama")
+    tied_cfg.tie_word_embeddings = True
+    tied = AutoModelForCausalLM.from_config(tied_cfg)   # the embedding is the head: read once, as the head
+    assert tied.get_input_embeddings().weight is tied.get_output_embeddings().weight
+    all_params = sum(p.numel() for p in tied.parameters())
+    assert bench_train.distill_floor_s(tied, prompts, new, bandwidth=1e30, flops=1e9) == \
+        pytest.approx(new * 2 * 2 * all_params / 1e9)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -2374,6 +2399,10 @@ def test_batch_decoder_equals_hf_greedy_prompt_by_prompt(tmp_path, family):
         decoder.generate(prompts, 81)
     with pytest.raises(DFlashError, match="an empty prompt"):
         decoder.generate([[5], []], 4)
+    wide = train.BatchDecoder(target, batch_size=1, capacity=MAX_POS + 8)   # room past the model's positions
+    with pytest.raises(DFlashError, match=rf"prompt 40 \+ {MAX_POS - 39} new tokens exceeds the target's "
+                                          rf"max_position_embeddings {MAX_POS}"):
+        wide.generate([prompts[2]], MAX_POS - 39)
 
 
 def test_attend_upto_is_causal_attention_by_slot():

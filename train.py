@@ -234,6 +234,9 @@ class BatchDecoder:
         longest = max(map(len, prompts))
         dflash.require(longest + max_new_tokens <= self.capacity,
                        f"BatchDecoder: prompt {longest} + {max_new_tokens} new tokens exceeds capacity {self.capacity}")
+        positions = self.target.config.get_text_config().max_position_embeddings
+        dflash.require(longest + max_new_tokens <= positions, f"BatchDecoder: prompt {longest} + {max_new_tokens} "
+                       f"new tokens exceeds the target's max_position_embeddings {positions}")
         dflash.require(max_new_tokens >= 1, f"max_new_tokens = {max_new_tokens} must be >= 1")
         dflash.require(temperature >= 0, f"temperature = {temperature} must be >= 0")
         dflash.require(len(set(stop_ids)) <= self.MAX_STOPS, f"BatchDecoder: more than {self.MAX_STOPS} stop ids")

@@ -1,8 +1,9 @@
 """The distillation floors of the stored bench_train runs, recomputed with bench_train.distill_floor_s:
 each row's own K/V (its prompt plus half the new tokens on average) and the weights less the embedding.
 The runs computed theirs from the longest prompt, 256, for every row, and read the embedding whole.
-The prompts are rebuilt from bench_train's seed (lengths 16-256 from a generator seeded 0); the old
-formula, rerun here, gives each stored floor to the digit, which checks that they are the same prompts.
+The prompts are rebuilt from bench_train's seed (lengths 16-256 from a generator seeded 0, drawn first in
+every version of it); the old formula, rerun here, gives each stored floor to the digit, which checks the
+bandwidth, matmul rate and shapes read back (it depends on the longest prompt only, not on their mean).
 
     $ python results/cpu-2026-12-05/distill_floors.py results/cpu-2026-12-05/distill-floors.json RUN.json ...
 """

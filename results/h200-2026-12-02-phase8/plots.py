@@ -1,5 +1,5 @@
 """Redraw the shipped drafter's plots from its committed JSON: eval-h200.png (or eval-cpu.png) from
-eval-*.json, and training.png from the phase histories, one line per phase.
+eval-*.json (the speedup as evaluation.py now reports it, DFlash's tokens/s over the target's), and training.png from the phase histories, one line per phase.
 
     $ python results/h200-2026-12-02-phase8/plots.py
 """
@@ -20,6 +20,8 @@ PHASES = {"phase 1": "training-phase1.json", "phase 2": "training-phase2.json", 
 for name in ("eval-h200", "eval-cpu"):
     if (DRAFTER / f"{name}.json").is_file():
         report = json.loads((DRAFTER / f"{name}.json").read_text())
+        for r in report["datasets"].values():   # runs before evaluation.py's tokens/s ratio stored a time ratio
+            r["speedup"] = r["dflash_tokens_per_s"] / r["target_tokens_per_s"]
         evaluation.plot_eval(report["datasets"], DRAFTER / f"{name}.png")
 logs = {phase: json.loads((DRAFTER / file).read_text()) for phase, file in PHASES.items()}
 evaluation.plot_training(logs, DRAFTER / "training.png")
