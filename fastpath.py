@@ -10,12 +10,13 @@ names. Every difference from dflash.py:
     written too; masks hide them and the next step overwrites them;
   - fused weights: the drafter's [gate; up] is one matmul, the modules' own weights becoming views of
     the fused matrix; every layer's context k/v rows are stacked into one matrix, with Laguna's
-    input-norm weight folded into it (the shared 1/rms is applied in fp32), a copy that a Decoder
-    checks is still current before each request;
+    input-norm weight folded into it (the shared 1/rms is applied in fp32); a Decoder checks before
+    each request that the target's and drafter's weights are the ones it fused;
   - the target: dense Llama/Qwen3 stacks run here (`DenseTarget`: fused [q; k; v] and [gate; up],
-    K/V in the static buffers); any other target (Laguna's MoE, sliding windows, biases) runs its
-    own forward over transformers' static cache (`ModelTarget`), whose capture hooks are registered
-    once per Decoder and removed by `close()`;
+    K/V in the static buffers, verify rows past the model's last position rotated as that position);
+    any other target (Laguna's MoE, sliding windows, biases) runs its own forward over transformers'
+    static cache (`ModelTarget`), whose capture hooks are registered once per Decoder and removed by
+    `close()`; targets that cache compressed keys and values (MLA) are refused;
   - attention by buffer slot (`attend_upto`: a query sees one range of slots, up to its own in the
     target, the committed context and the block in the drafter, whose block k/v are written into the
     context buffers at the block's slots), with grouped heads (K/V never repeated), where dflash.py
