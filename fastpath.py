@@ -234,9 +234,14 @@ if triton is not None:
 
 def triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots):
     """`heads_into_place` as one Triton kernel, a program per (row, head): nothing between the [q; k; v]
-    matmul and attention is written but q and the K/V slots."""
+    matmul and attention is written but q and the K/V slots. The kernel addresses K/V with unit stride
+    along head_dim and the tables by row; tables shared by the rows are broadcast here."""
     (Bt, N, width), hk, d = qkv_rows.shape, keys.shape[1], keys.shape[3]
     h = width // d - 2 * hk
+    if d % 2 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError(f"triton_heads_into_place: head_dim {d} must be even (RoPE's halves), and keys/values "
+                         f"contiguous along it (strides {keys.stride(-1)}, {values.stride(-1)})")
+    cos, sin = (t.expand(Bt, N, d) for t in (cos, sin))                                 # (Bt, N, d)
     qkv_rows, cos, sin = (t if t.is_contiguous() else t.contiguous() for t in (qkv_rows, cos, sin))
     q = torch.empty(Bt, N, h, d, dtype=qkv_rows.dtype, device=qkv_rows.device)       # (Bt, N, h, d)
     norm = hasattr(attn, "q_norm")
@@ -511,6 +516,9 @@ def triton_attend_upto(q, keys, values, last, scale: float, first=None):
     Bt, N, h, d = q.shape
     hk, S = keys.shape[1], keys.shape[2]
     G, M = h // hk, N * h // hk
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:   # a whole buffer is not copied to fix it
+        raise ValueError(f"triton_attend_upto: keys/values must be contiguous along head_dim (strides "
+                         f"{keys.stride(-1)}, {values.stride(-1)})")
     q = q if q.stride(-1) == 1 else q.contiguous()
     BLOCK_M, BLOCK_N, D = (16 if M <= 16 else 64), 64, max(16, triton.next_power_of_2(d))
     m_blocks = triton.cdiv(M, BLOCK_M)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from contextlib import closing
 from pathlib import Path
 from unittest import mock
@@ -2540,6 +2541,30 @@ def under_the_triton_interpreter(call: str):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def heads_kernel_broadcast_difference() -> float:
+    """triton_heads_into_place with one RoPE table for both rows against the table given per row: the
+    largest difference in q and the K/V written (0 when the wrapper broadcasts the shared table)."""
+    g = torch.Generator().manual_seed(0)
+    Bt, N, h, hk, d, C = 2, 3, 4, 2, 16, 12
+    qkv = torch.randn(Bt, N, (h + 2 * hk) * d, generator=g)
+    angles = torch.rand(1, N, d // 2, generator=g).repeat(1, 1, 2)                       # (1, N, d)
+    slots = torch.tensor([[0, 1, 2], [5, 6, 7]])
+
+    def run(cos, sin):
+        keys, values = torch.zeros(Bt, hk, C, d), torch.zeros(Bt, hk, C, d)
+        q = fastpath.triton_heads_into_place(torch.nn.Module(), qkv, keys, values, cos, sin, slots)
+        return torch.cat([q.flatten(), keys.flatten(), values.flatten()])
+    shared = run(angles.cos(), angles.sin())
+    per_row = run(angles.cos().expand(Bt, N, d).contiguous(), angles.sin().expand(Bt, N, d).contiguous())
+    return float((shared - per_row).abs().max())
+
+
+def test_heads_kernel_broadcasts_a_shared_rope_table_under_the_interpreter():
+    """Under Triton's CPU interpreter, one RoPE table for every row gives what that table given per row
+    gives: the wrapper broadcasts it (the kernel reads a table per row, and read past a shared one)."""
+    assert under_the_triton_interpreter("heads_kernel_broadcast_difference()") == 0.0
+
+
 KERNEL_TOLERANCE = {torch.float32: 2e-6, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
@@ -2552,6 +2577,27 @@ def test_attend_upto_kernel_under_the_triton_interpreter():
     assert len(errors) == 2 * 2 * 2 * len(KERNEL_CASES)
     for key, error in errors.items():
         assert error < KERNEL_TOLERANCE[torch.float16 if "float16" in key else torch.float32], (key, error)
+
+
+@pytest.mark.skipif(fastpath.triton is None, reason="needs Triton")
+def test_kernel_wrappers_refuse_layouts_their_kernels_misread():
+    """The Triton wrappers refuse, before any launch, K/V buffers strided along head_dim (the kernels
+    address them with unit stride) and an odd head_dim for the heads kernel (RoPE's halves); RoPE tables
+    shared by the rows are broadcast to every row, not read past their end."""
+    Bt, N, h, hk, d, S = 2, 3, 4, 2, 8, 20
+    q = torch.randn(Bt, N, h, d)
+    keys = torch.randn(Bt, hk, d, S).transpose(-1, -2)                                 # stride 1 along S, not d
+    with pytest.raises(ValueError, match="triton_attend_upto: keys/values must be contiguous along head_dim"):
+        fastpath.triton_attend_upto(q, keys, keys.contiguous(), torch.zeros(Bt, N, dtype=torch.long), 0.3)
+    attn = types.SimpleNamespace()                                                     # no q/k norms
+    rows = torch.randn(Bt, N, (h + 2 * hk) * d)
+    table = torch.randn(1, N, d)                                                        # one table for both rows
+    with pytest.raises(ValueError, match="head_dim 8 must be even .* contiguous along it"):
+        fastpath.triton_heads_into_place(attn, rows, keys, keys.contiguous(), table, table, torch.zeros(Bt, N))
+    odd = torch.zeros(Bt, hk, S, 9)
+    with pytest.raises(ValueError, match="head_dim 9 must be even"):
+        fastpath.triton_heads_into_place(attn, torch.randn(Bt, N, (h + 2 * hk) * 9), odd, odd, table, table,
+                                         torch.zeros(Bt, N))
 
 
 def test_heads_kernel_under_the_triton_interpreter():
