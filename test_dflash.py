@@ -1075,7 +1075,14 @@ BAD_FLAGS = {
     "train --num-features 5": ("train.py", TRAIN + ["--num-features", "5"], "--num-features = 5 gives layer ids "
                                "[1, 2, 2, 2, 3] for a 6-layer target; use 1..3"),
     "train --batch-size 0": ("train.py", TRAIN + ["--batch-size", "0"], "--batch-size = 0 must be at least 1"),
-    "train --lr 0": ("train.py", TRAIN + ["--lr", "0"], "--lr = 0.0 must be positive"),
+    "train --lr 0": ("train.py", TRAIN + ["--lr", "0"], "--lr = 0.0 must be positive and finite"),
+    "train --lr inf": ("train.py", TRAIN + ["--lr", "inf"], "--lr = inf must be positive and finite"),
+    "train --weight-decay inf": ("train.py", TRAIN + ["--weight-decay", "inf"],
+                                 "--weight-decay = inf must be ≥ 0 and finite"),
+    "train --out a file": ("train.py", TRAIN + ["--out", "{data}"],
+                           "--out '{data}' must name a directory for the drafter (it is a file)"),
+    "train --out the target": ("train.py", TRAIN + ["--out", "{l}"], "--out '{l}' is the --target directory: the "
+                               "drafter's config.json and model.safetensors would replace the target's"),
     "train --gamma -2": ("train.py", TRAIN + ["--gamma", "-2"], "--gamma = -2.0 must be positive (the loss weights "
                          "exp(-(k-1)/γ) fall with the block row k)"),
     "train --warmup -1": ("train.py", TRAIN + ["--warmup", "-1"],
@@ -1091,7 +1098,10 @@ BAD_FLAGS = {
                                 "--out {data} is a file; give a directory for eval.json"),
     "evaluation --limit -3": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--limit",
                                                 "-3"], "--limit = -3 must be at least 1"),
-    "train --time-budget 0": ("train.py", TRAIN + ["--time-budget", "0"], "--time-budget = 0.0 must be positive"),
+    "train --time-budget 0": ("train.py", TRAIN + ["--time-budget", "0"],
+                              "--time-budget = 0.0 must be positive and finite"),
+    "train --time-budget inf": ("train.py", TRAIN + ["--time-budget", "inf"],
+                                "--time-budget = inf must be positive and finite"),
     "train --data missing": ("train.py", TRAIN + ["--data", "{tmp}/nowhere.pt"],
                              "--data: no such file: {tmp}/nowhere.pt"),
     "train --init missing": ("train.py", TRAIN + ["--init", "{tmp}/nowhere"], "--init '{tmp}/nowhere': no such "
@@ -3525,6 +3535,17 @@ def test_save_drafter_killed_midway_leaves_the_old_drafter_whole(tiny, tmp_path,
         train.save_drafter(drafter6, raw6, tmp_path / "d", torch.float32)
     assert {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir() if p.suffix != ".part"} == before
     assert dflash.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu").config.block_size == 4
+
+
+def test_training_that_diverges_stops_at_the_first_non_finite_loss(tiny, tmp_path):
+    """A loss that turns NaN or infinite ends training with one message at that step, rather than train
+    on and save NaN weights over the drafter; through the CLI the --out of the last held-out estimate
+    stays as it was saved."""
+    path, target, sequences = tiny
+    _, drafter = fresh_drafter(target, block_size=4, num_layers=1)
+    with pytest.raises(DFlashError, match=r"training diverged: the loss is nan at step 2 \(lr inf\)"):
+        train.train(target, drafter, sequences[:-4], sequences[-4:], train.TrainConfig(
+            batch_size=4, anchors=8, lr=math.inf, warmup=0.0, eval_every=100, max_steps=5), progress=False)
 
 
 def test_ctrl_c_during_a_heldout_estimate_keeps_the_steps(tiny, monkeypatch):

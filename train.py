@@ -1224,6 +1224,9 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         nonlocal ended, overhead, tau
         entry, loss, drawn, flops = pending
         entry["loss"] = loss.item()   # waits for the step (a StepLoss: for this step only)
+        if not math.isfinite(entry["loss"]):   # the weights are lost with it: saving them would spread the damage
+            raise DFlashError(f"training diverged: the loss is {entry['loss']} at step {entry['step']} (lr "
+                              f"{entry['lr']:.3g}); the drafter saved at the last held-out estimate, if any, is kept")
         now = time.perf_counter()
         seconds, ended = now - ended, now
         if entry["step"] == 1:
@@ -1650,15 +1653,20 @@ def cmd_train(args):
     require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens",
                      "heldout_tokens")
     dflash.require(min(args.pad_shapes) >= 1, f"--pad-shapes = {' '.join(map(str, args.pad_shapes))} must be ≥ 1")
-    dflash.require(args.lr > 0, f"--lr = {args.lr} must be positive")
+    dflash.require(0 < args.lr < math.inf, f"--lr = {args.lr} must be positive and finite")
     dflash.require(args.gamma is None or args.gamma > 0, f"--gamma = {args.gamma} must be positive (the loss "
                    "weights exp(-(k-1)/γ) fall with the block row k)")
     dflash.require(0 <= args.warmup < 1, f"--warmup = {args.warmup} must be a fraction of the steps in [0, 1)")
-    dflash.require(args.weight_decay >= 0, f"--weight-decay = {args.weight_decay} must be ≥ 0")
+    dflash.require(0 <= args.weight_decay < math.inf, f"--weight-decay = {args.weight_decay} must be ≥ 0 and finite")
     require_at_least(args, 1, "num_features")
-    dflash.require(args.time_budget is None or args.time_budget > 0,
-                   f"--time-budget = {args.time_budget} must be positive")
+    dflash.require(args.time_budget is None or 0 < args.time_budget < math.inf,
+                   f"--time-budget = {args.time_budget} must be positive and finite")
     dflash.require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
+    out = Path(args.out)
+    dflash.require(args.out != "" and not (out.exists() and not out.is_dir()),
+                   f"--out '{args.out}' must name a directory for the drafter (it is {'empty' if not args.out else 'a file'})")
+    dflash.require(out.resolve() != Path(args.target).resolve(), f"--out '{args.out}' is the --target directory: the "
+                   "drafter's config.json and model.safetensors would replace the target's")
     missing = [path for path in args.data if not Path(path).is_file()]
     dflash.require(not missing, f"--data: no such file: {', '.join(missing)}")
     dflash.require(len(args.heldout) <= len(args.data), f"--heldout has {len(args.heldout)} counts for "
