@@ -1114,7 +1114,17 @@ BAD_FLAGS = {
     "distill --skip-prompts -1": ("train.py", DISTILL + ["--skip-prompts", "-1"],
                                   "--skip-prompts = -1 must be at least 0"),
     "distill --temperatures -1": ("train.py", DISTILL + ["--temperatures", "0", "-1"],
-                                  "--temperatures: [-1.0] must be ≥ 0 (0 is greedy)"),
+                                  "--temperatures: [-1.0] must be finite and ≥ 0 (0 is greedy)"),
+    "distill --temperatures nan": ("train.py", DISTILL + ["--temperatures", "nan"],
+                                   "--temperatures: [nan] must be finite and ≥ 0 (0 is greedy)"),
+    "distill --time-budget 0": ("train.py", DISTILL + ["--time-budget", "0"],
+                                "--time-budget = 0.0 must be positive and finite"),
+    "distill --out a directory": ("train.py", DISTILL + ["--out", "{tmp}"],
+                                  "--out '{tmp}' must name a file (it is a directory)"),
+    "distill --out exists": ("train.py", DISTILL + ["--out", "{data}"], "--out '{data}' exists: pass --resume to "
+                             "keep its answers and add to them, or give another file"),
+    "prompts --out empty": ("train.py", ["prompts", "--target", "{l}", "--out", ""],
+                            "--out '' must name a file (it is empty)"),
     "distill without tokenizer": ("train.py", DISTILL, "--target '{l}': no tokenizer (prompts need its chat "
                                   "template)"),
     "distill --device tpu": ("train.py", DISTILL + ["--device", "tpu"],
@@ -1228,6 +1238,21 @@ def test_a_generation_without_rounds_has_no_tau(targets, drafters, module):
     assert json.loads(json.dumps({"tau": one.tau})) == {"tau": None}
     two = module.generate(target, drafter, [5, 3, 9], 2)
     assert [r["draft"] for r in two.rounds] == [[]] and two.tau == 1.0
+
+
+def test_distill_checks_the_length_against_the_positions_before_its_buffers(tiny, tmp_path, monkeypatch, capsys):
+    """distill refuses --max-prompt-tokens + --max-new-tokens past the target's positions, naming both flags,
+    before it makes a decoder's buffers (sized by that sum: a large one ran out of memory first)."""
+    path, target, _ = tiny
+    monkeypatch.setattr(train, "load_target_and_tokenizer", lambda p, dtype, device: (target, None))
+    monkeypatch.setattr(train, "BatchDecoder", lambda *a, **k: pytest.fail("buffers made before the check"))
+    with pytest.raises(SystemExit) as exit:
+        dflash.run_cli(train.main, argv=["distill", "--target", str(path), "--out", str(tmp_path / "a.pt"),
+                                         "--device", "cpu", "--max-new-tokens", "40000"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --max-prompt-tokens + --max-new-tokens = 256 + 40000 exceeds the target's max_position_embeddings "
+        f"{MAX_POS}")
 
 
 def test_default_num_drafts_caps_k_on_every_cpu_spelling():

@@ -334,8 +334,7 @@ def save_sequences(path: Path, sequences: list[Sequence], meta: dict):
             "prompt_lengths": torch.tensor([s.prompt_len for s in sequences], dtype=torch.int32), "meta": meta}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
+    replace_file(path, lambda p: torch.save(data, p))
 
 
 def load_sequences(path: Path) -> tuple[list[Sequence], dict]:
@@ -1314,6 +1313,13 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
 # -----------------------------------------------------------------------------
 # CLI
 
+def require_out_file(out: str) -> Path:
+    """--out for a file a command writes at its end or as it goes: checked before any work is done."""
+    dflash.require(out != "" and not Path(out).is_dir(),
+                   f"--out '{out}' must name a file ({'it is empty' if not out else 'it is a directory'})")
+    return Path(out)
+
+
 def require_at_least(args, minimum, *names):
     """Numeric flags checked before anything loads, each named as the user typed it."""
     for name in names:
@@ -1498,6 +1504,8 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[int], dict]:
 
 
 def cmd_prompts(args):
+    require_out_file(args.out)
+    require_at_least(args, 1, "max_prompt_tokens")
     tokenizer = offline.load_tokenizer(args.target)
     dflash.require(tokenizer is not None, f"--target '{args.target}': no tokenizer")
     excluded = evaluation_prompts()
@@ -1547,11 +1555,21 @@ def cmd_distill(args):
     from tqdm import tqdm
     require_at_least(args, 1, "num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size", "batches_per_save")
     require_at_least(args, 0, "skip_prompts")
-    bad = [t for t in args.temperatures if t < 0]
-    dflash.require(not bad, f"--temperatures: {bad} must be ≥ 0 (0 is greedy)")
+    bad = [t for t in args.temperatures if not 0 <= t < math.inf]
+    dflash.require(not bad, f"--temperatures: {bad} must be finite and ≥ 0 (0 is greedy)")
+    dflash.require(args.time_budget is None or 0 < args.time_budget < math.inf,
+                   f"--time-budget = {args.time_budget} must be positive and finite")
+    out = require_out_file(args.out)
+    dflash.require(not out.exists() or args.resume, f"--out '{out}' exists: pass --resume to keep its answers and "
+                   "add to them, or give another file")
+    dflash.require(args.prompts is None or Path(args.prompts).resolve() != out.resolve(),
+                   f"--out '{out}' is the --prompts file")
     device, dtype = dflash.device_and_dtype(args.device, args.dtype)
     target, tokenizer = load_target_and_tokenizer(args.target, dtype, device)
-    out = Path(args.out)
+    positions = target.config.get_text_config().max_position_embeddings   # checked before the buffers are made
+    dflash.require(args.max_prompt_tokens + args.max_new_tokens <= positions, f"--max-prompt-tokens + "
+                   f"--max-new-tokens = {args.max_prompt_tokens} + {args.max_new_tokens} exceeds the target's "
+                   f"max_position_embeddings {positions}")
     if args.prompts:
         prompts, indices, file_meta = read_prompt_file(Path(args.prompts))
         source = file_meta.get("source", str(args.prompts))
