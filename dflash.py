@@ -754,8 +754,11 @@ def from_target(path: str, load):
     require(Path(path).is_dir() or looks_like_repo_id(path), f"--target '{path}': no such directory")
     try:
         return load(path)
-    except (OSError, ValueError) as err:
-        raise DFlashError(f"--target '{path}': cannot load ({str(err).splitlines()[0]})") from None
+    except DFlashError:
+        raise
+    except Exception as err:   # OS, JSON and safetensors errors, and configs transformers cannot build
+        first = (str(err).splitlines() or [""])[0][:200]
+        raise DFlashError(f"--target '{path}': cannot load ({type(err).__name__}: {first})") from None
 
 
 ROLLBACK_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}   # state is K/V by position
@@ -775,8 +778,11 @@ def load_target(path: str, dtype: torch.dtype, device: str):
     check_target(target_config(path))
     # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there
     experts = "eager" if device == "cpu" else None
-    target = from_target(path, lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=dtype,
-                                                                             experts_implementation=experts))
+    target, info = from_target(path, lambda p: AutoModelForCausalLM.from_pretrained(
+        p, dtype=dtype, experts_implementation=experts, output_loading_info=True))
+    missing = sorted(info["missing_keys"])   # transformers fills these with random values and only warns
+    require(not missing, f"--target '{path}': {len(missing)} weights missing from its checkpoint (e.g. "
+            f"{missing[:3]}); they would be random")
     return target.to(device).eval()
 
 

@@ -1255,6 +1255,24 @@ def test_distill_checks_the_length_against_the_positions_before_its_buffers(tiny
         f"{MAX_POS}")
 
 
+def test_a_target_with_missing_or_damaged_weights_is_refused(checkpoints, tmp_path):
+    """A --target whose checkpoint lacks weights (transformers would fill them with random values and only
+    warn), or whose weights file is cut short, ends in one line naming the target, not a random model or a
+    traceback."""
+    import shutil
+    cut = tmp_path / "cut"
+    shutil.copytree(checkpoints["llama"], cut)
+    weights = load_file(cut / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, cut / "model.safetensors")
+    with pytest.raises(DFlashError, match=r"--target '.*cut': 1 weights missing from its checkpoint "
+                                          r"\(e.g. \['lm_head.weight'\]\); they would be random"):
+        dflash.load_target(str(cut), torch.float32, "cpu")
+    data = (checkpoints["llama"] / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(DFlashError, match=r"--target '.*cut': cannot load \("):
+        dflash.load_target(str(cut), torch.float32, "cpu")
+
+
 def test_default_num_drafts_caps_k_on_every_cpu_spelling():
     """The CLI's K when none is asked for: block_size - 1 on CUDA, at most CPU_NUM_DRAFTS on CPU, however the
     CPU device is written."""
