@@ -1273,6 +1273,41 @@ def test_a_target_with_missing_or_damaged_weights_is_refused(checkpoints, tmp_pa
         dflash.load_target(str(cut), torch.float32, "cpu")
 
 
+def test_damaged_data_and_prompt_files_end_in_one_line(tiny, tmp_path):
+    """A distilled data file whose parts disagree, or tokens another target's vocabulary holds, and a prompt
+    file with other than strings, are refused naming the file and what is wrong, not by a traceback or by
+    training on part of it."""
+    import lzma
+    path, target, sequences = tiny
+    good = tmp_path / "good.pt"
+    train.save_sequences(good, sequences, {"prompt_indices": list(range(len(sequences)))})
+    data = torch.load(good, weights_only=True)
+    broken = {"short prompt_lengths": dict(data, prompt_lengths=data["prompt_lengths"][:5]),
+              "lengths that miss tokens": dict(data, lengths=data["lengths"] - 1),
+              "prompt past its sequence": dict(data, prompt_lengths=data["lengths"] + 1),
+              "short prompt_indices": dict(data, meta={"prompt_indices": [0, 1]})}
+    messages = {"short prompt_lengths": f"24 lengths but 5 prompt_lengths",
+                "lengths that miss tokens": "lengths sum to",
+                "prompt past its sequence": "a prompt length is negative or longer than its sequence",
+                "short prompt_indices": "meta['prompt_indices'] has 2 entries for 24 sequences"}
+    for name, value in broken.items():
+        torch.save(value, tmp_path / "bad.pt")
+        with pytest.raises(DFlashError, match=re.escape(messages[name])):
+            train.load_sequences(tmp_path / "bad.pt")
+    other = [train.Sequence(torch.cat([q.ids, torch.tensor([VOCAB + 3])]), q.prompt_len) for q in sequences]
+    train.save_sequences(tmp_path / "other.pt", other, {"prompt_indices": list(range(len(other)))})
+    result = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "other.pt"), "--out",
+                           str(tmp_path / "d"), "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK),
+                           "--max-steps", "1", "--heldout", "4", "--device", "cpu")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (f"error: --data {tmp_path / 'other.pt'}: token {VOCAB + 3} is "
+                                                      f"outside the target's vocabulary 0..{VOCAB - 1} (answers of "
+                                                      f"another target?)")
+    (tmp_path / "p.json.xz").write_bytes(lzma.compress(json.dumps({"prompts": ["hi", 3], "indices": [0, 1]}).encode()))
+    with pytest.raises(DFlashError, match="prompts must be strings, indices and max_prompt_tokens integers"):
+        train.read_prompt_file(tmp_path / "p.json.xz")
+
+
 def test_default_num_drafts_caps_k_on_every_cpu_spelling():
     """The CLI's K when none is asked for: block_size - 1 on CUDA, at most CPU_NUM_DRAFTS on CPU, however the
     CPU device is written."""

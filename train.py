@@ -344,11 +344,27 @@ def load_sequences(path: Path) -> tuple[list[Sequence], dict]:
         raise DFlashError(f"distilled data: {path} not found") from None
     except Exception as err:   # torch raises several types for a bad file; one line either way
         raise DFlashError(f"distilled data: {path} is unreadable ({type(err).__name__})") from None
+    dflash.require(isinstance(data, dict), f"distilled data: {path} is not a train.py distill file")
     missing = {"tokens", "lengths", "prompt_lengths"} - set(data)
     if missing:
         raise DFlashError(f"distilled data: {path} lacks {sorted(missing)}")
-    chunks = data["tokens"].long().split(data["lengths"].tolist())
-    return [Sequence(ids, int(p)) for ids, p in zip(chunks, data["prompt_lengths"])], data.get("meta", {})
+    tokens, lengths, prompt_lengths, meta = data["tokens"], data["lengths"], data["prompt_lengths"], data.get("meta", {})
+    whole = all(isinstance(t, torch.Tensor) and t.ndim == 1 and not t.is_floating_point()
+                for t in (tokens, lengths, prompt_lengths))
+    dflash.require(whole and isinstance(meta, dict), f"distilled data: {path}: tokens, lengths and prompt_lengths "
+                   "must be 1-d integer tensors and meta a dict")
+    dflash.require(int(lengths.sum()) == len(tokens), f"distilled data: {path}: lengths sum to {int(lengths.sum())}, "
+                   f"tokens hold {len(tokens)}")
+    dflash.require(len(prompt_lengths) == len(lengths), f"distilled data: {path}: {len(lengths)} lengths but "
+                   f"{len(prompt_lengths)} prompt_lengths")
+    dflash.require(bool(((prompt_lengths >= 0) & (prompt_lengths <= lengths)).all()), f"distilled data: {path}: "
+                   "a prompt length is negative or longer than its sequence")
+    for key in ("prompt_indices", "temperatures"):
+        dflash.require(key not in meta or meta[key] is None or len(meta[key]) == len(lengths),
+                       f"distilled data: {path}: meta['{key}'] has {len(meta.get(key) or [])} entries for "
+                       f"{len(lengths)} sequences")
+    chunks = tokens.long().split(lengths.tolist())
+    return [Sequence(ids, int(p)) for ids, p in zip(chunks, prompt_lengths)], meta
 
 
 # -----------------------------------------------------------------------------
@@ -1498,8 +1514,13 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[int], dict]:
     except (lzma.LZMAError, ValueError) as err:
         raise DFlashError(f"prompt file: {path} is not xz-compressed JSON ({err})") from None
     dflash.require(isinstance(data, dict) and {"prompts", "indices"} <= set(data)
+                   and isinstance(data["prompts"], list) and isinstance(data["indices"], list)
                    and len(data["prompts"]) == len(data["indices"]),
                    f"prompt file: {path} lacks equally long 'prompts' and 'indices'")
+    dflash.require(all(isinstance(p, str) for p in data["prompts"])
+                   and all(type(i) is int for i in data["indices"])
+                   and type(data.get("max_prompt_tokens", 0)) is int,
+                   f"prompt file: {path}: prompts must be strings, indices and max_prompt_tokens integers")
     return data.pop("prompts"), data.pop("indices"), data
 
 
@@ -1702,6 +1723,12 @@ def cmd_train(args):
         if count:
             _, more_heldout[path], more_indices[path] = heldout_split(extra, extra_meta, count, path)
         loaded.append((path, extra, extra_meta))
+    rows = target.get_input_embeddings().weight.shape[0]
+    for path, seqs in [(args.data[0], sequences)] + [(p, extra) for p, extra, _ in loaded]:
+        ids = torch.cat([q.ids for q in seqs])
+        outside = ids[(ids < 0) | (ids >= rows)]
+        dflash.require(len(outside) == 0, f"--data {path}: token {int(outside[0]) if len(outside) else 0} is "
+                       f"outside the target's vocabulary 0..{rows - 1} (answers of another target?)")
     # The files after the first train whole, except any answer to a held-out prompt of any file (same prompt ids).
     held_prompts = {prompt_of(q) for q in heldout + sum(more_heldout.values(), [])}
     if args.heldout_tokens:
