@@ -486,8 +486,9 @@ def report(result: dict) -> str:
 # CLI
 
 def case_dir(name: str, kit: Path) -> Path:
+    dflash.require(Path(kit).is_dir(), f"--kit '{kit}': no such directory")
     directory = Path(kit) / name
-    dflash.require((directory / "case.json").is_file(), f"--case = {name!r} is not in {kit} "
+    dflash.require("/" not in name and (directory / "case.json").is_file(), f"--case = {name!r} is not in {kit} "
                    f"(cases: {', '.join(sorted(p.name for p in Path(kit).iterdir() if (p / 'case.json').is_file()))})")
     return directory
 
@@ -505,6 +506,10 @@ def main(argv=None):
     s.add_argument("--case", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)   # tiny models: determinism over speed
+    dflash.require(not Path(args.kit).exists() or Path(args.kit).is_dir(), f"--kit '{args.kit}' is a file")
+    if args.command == "dump-fastpath":   # checked before fastpath runs
+        dflash.require(not Path(args.out).is_dir() and Path(args.out).resolve().parent.is_dir(),
+                       f"--out '{args.out}' must name a file in a directory that exists")
     if args.command == "write":
         write_kit(Path(args.kit))
         return print(f"wrote {len(CASES)} cases to {args.kit}")

@@ -1148,6 +1148,15 @@ BAD_FLAGS = {
                                      "most 64 (the sequences a step draws from)"),
     "bench_train --skip hf-eager": ("bench_train.py", ["--skip", "hf-eager"], "--skip: ['hf-eager'] are not rows; "
                                     "use distill, hf, train"),
+    "conformance --kit missing": ("conformance.py", ["--kit", "{tmp}/nokit", "check", "{data}", "--case", "laguna"],
+                                  "--kit '{tmp}/nokit': no such directory"),
+    "conformance --kit a file": ("conformance.py", ["--kit", "{data}", "write"], "--kit '{data}' is a file"),
+    "conformance dump-fastpath --out in a missing dir": ("conformance.py", ["dump-fastpath", "--case", "laguna",
+                                                                           "--out", "{tmp}/no/x.safetensors"],
+                                                         "--out '{tmp}/no/x.safetensors' must name a file in a "
+                                                         "directory that exists"),
+    "conformance --case outside the kit": ("conformance.py", ["check", "{data}", "--case", "../conformance/laguna"],
+                                           re.compile(r"--case = '\.\./conformance/laguna' is not in .*")),
     "bench_train --out a dir": ("bench_train.py", ["--out", "{tmp}"], "--out {tmp} is a directory; give a file name"),
 }
 # Run through a real subprocess as well, so that the exit code is the interpreter's.
@@ -1168,7 +1177,7 @@ def catalog_paths(checkpoints, tiny, tmp_path_factory):
 def cli_main(script):
     return {"dflash.py": dflash.main, "fastpath.py": lambda argv: dflash.main(argv, generate_fn=fastpath.generate),
             "train.py": train.main, "evaluation.py": evaluation.main, "bench.py": bench.main,
-            "bench_train.py": bench_train.main}[script]
+            "bench_train.py": bench_train.main, "conformance.py": conformance.main}[script]
 
 
 @pytest.mark.parametrize("case", CATALOG)
@@ -4019,6 +4028,11 @@ def test_distill_resume_refuses_answers_from_another_source(tmp_path):
     assert again.stderr.strip().endswith(f"error: --resume: {tmp_path / 'd.pt'} has source = prompts a, this run "
                                          "prompts b")
     assert len(train.load_sequences(tmp_path / "d.pt")[0]) == 2
+    slash = [a + "/" if a == str(offline.ensure_smollm2()) else a for a in common]   # the same dir, written otherwise
+    more = run_train_cli("distill", "--prompts", str(tmp_path / "a.json.xz"), "--temperatures", "0", "0.8",
+                         "--resume", *slash)
+    assert more.returncode == 0, more.stderr
+    assert len(train.load_sequences(tmp_path / "d.pt")[0]) == 4   # the two greedy answers kept, two sampled added
 
 
 @pytest.mark.package

@@ -1612,8 +1612,9 @@ def cmd_distill(args):
         sequences, old = load_sequences(out)
         dflash.require("prompt_indices" in old, f"--resume: {out} does not say which prompts it answered "
                        "(no prompt_indices: not written by train.py distill)")
+        same_dir = lambda a, b: Path(a).is_dir() and Path(a).resolve() == Path(b).resolve()   # ./t, t/ and /x/t
         for key in ("target", "source", "max_new_tokens", "max_prompt_tokens"):   # indices mean nothing across sources
-            if old.get(key) != meta[key]:
+            if old.get(key) != meta[key] and not (key == "target" and same_dir(str(old.get(key)), meta[key])):
                 raise DFlashError(f"--resume: {out} has {key} = {old.get(key)}, this run {meta[key]}")
         done = list(old["prompt_indices"])
         temperatures = list(old.get("temperatures") or [0.0] * len(done))
