@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -35,6 +34,7 @@ import torch
 
 import dflash
 import fastpath
+import offline
 
 SHAPES = {   # target config and DFlash drafter shape
     "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -108,13 +108,6 @@ def require_out_dir(out: str | None):
     if out is not None:
         dflash.require(not Path(out).is_dir(), f"--out {out} is a directory; give a file name")
         dflash.require(Path(out).resolve().parent.is_dir(), f"--out {out}: its directory does not exist")
-
-
-def write_json(path: str, value):
-    """The whole file at once: written beside `path`, then moved into place."""
-    part = Path(path).with_name(Path(path).name + ".part")
-    part.write_text(json.dumps(value, indent=2))
-    os.replace(part, path)
 
 
 def param_bytes(module, skip=()) -> int:
@@ -335,8 +328,9 @@ def main(argv=None):
 
     def save():   # rewritten after every row, in one step, so a run cut short still leaves its numbers
         if args.out:
-            write_json(args.out, dict(conditions=conditions, rows=rows, errors=errors, layers=layers,
-                                      step_profile=profile, ar_step_profile=ar_profile))
+            value = dict(conditions=conditions, rows=rows, errors=errors, layers=layers, step_profile=profile,
+                         ar_step_profile=ar_profile)
+            offline.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(value, indent=2)))
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side

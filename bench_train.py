@@ -32,12 +32,14 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import bench
 import dflash
+import offline
 import train
 
 SHAPE = bench.SHAPES["smollm2-135m"]
@@ -222,7 +224,7 @@ def main(argv=None):
 
     def save():   # after each section, in one step: a run cut short keeps the sections before
         if args.out:
-            bench.write_json(args.out, result)
+            offline.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(result, indent=2)))
     save()   # the conditions, before any section
     if "distill" not in skip:
         lengths = torch.randint(16, 257, (args.distill_batch,), generator=g).tolist()

@@ -226,7 +226,7 @@ def main(argv=None):
                   f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), {verdict}",
                   file=sys.stderr)
             # after each dataset, and in one step: a cut run keeps the datasets before
-            train.replace_file(out / "eval.json", lambda p: p.write_text(json.dumps(report, indent=1)))
+            offline.replace_file(out / "eval.json", lambda p: p.write_text(json.dumps(report, indent=1)))
     plotted = plot_eval(report["datasets"], out / "eval.png")
     print(f"-> {out / 'eval.json'}" + (f", {out / 'eval.png'}" if plotted else " (no matplotlib: no plot)"),
           file=sys.stderr)

