@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 import dflash
 import fastpath
+import offline
 
 KIT = Path(__file__).resolve().parent / "conformance"
 ROUNDS = 8        # stages are kept for rounds 0..ROUNDS; the tokens for the whole generation
@@ -355,12 +356,18 @@ def margin(values: dict, target_margin: float) -> float:
 
 
 def write_case(root: Path, name: str, case: dict, seed: int):
+    """fill_case into a dir beside the case's, then moved into place: an interrupted write leaves the old
+    case whole, never a new seed's model beside the old case.json."""
+    offline.replace_dir(Path(root) / name, lambda directory: fill_case(directory, name, case, seed))
+
+
+def fill_case(directory: Path, name: str, case: dict, seed: int):
     """A case's pair from the first seed (seed, seed + 2, ...) whose greedy choices all win by MARGIN, so
     that a port's float32 rounding cannot flip a token and whose output holds two tokens at least, or,
     sampled, whose output is not its greedy decode and holds at least 4 different tokens, so that the draws
     are not forced; and whose recorded rounds accept a draft, so that acceptance and a multi-row context
     append are checked; its request; dflash.py's values at every stage."""
-    directory, request = Path(root) / name, request_of(name, case)
+    request = request_of(name, case)
     for seed in range(seed, seed + 40, 2):
         write_target(directory / "target", case["target"], seed, case.get("head_scale", 4.0))
         write_drafter(directory / "drafter", case, seed + 1)

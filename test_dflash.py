@@ -4074,6 +4074,28 @@ def test_conformance_kit_regenerates_to_the_committed_files(tmp_path):
         assert result["first"] is None and "missing" not in result["results"].values(), name
 
 
+def test_an_interrupted_conformance_write_leaves_the_old_case_whole(tmp_path, monkeypatch):
+    """A write stopped after a new seed's models are written (here at the recording, as a Ctrl-C would)
+    leaves every file of the case as it was; the next write clears what the stopped one left beside it."""
+    import shutil
+    shutil.copytree(conformance.KIT / "laguna", tmp_path / "laguna")
+    files = lambda: {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    before = files()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(conformance, "record_reference", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+    left = {name: data for name, data in files().items() if name.startswith("laguna/")}
+    assert left == before
+    assert (tmp_path / "laguna.partial" / "target" / "model.safetensors").is_file()   # the new seed's, set aside
+    monkeypatch.undo()
+    conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["laguna"]
+    assert json.loads((tmp_path / "laguna" / "case.json").read_text())["seed"] >= 7
+
+
 def test_every_case_covers_what_the_kit_promises():
     """Seven cases: z-lab full attention, the newer layout with a biting window, and with its causality
     override off, RoPE bases per layer type and the default layer ids, Laguna, K < B-1 at both compute
