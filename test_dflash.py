@@ -1123,6 +1123,10 @@ BAD_FLAGS = {
                                   "--out '{tmp}' must name a file (it is a directory)"),
     "distill --out exists": ("train.py", DISTILL + ["--out", "{data}"], "--out '{data}' exists: pass --resume to "
                              "keep its answers and add to them, or give another file"),
+    "prompts --source stdlib with --seed": ("train.py", ["prompts", "--source", "stdlib", "--target", "{l}", "--out",
+                                            "{tmp}/p.json.xz", "--seed", "3", "--num-prompts", "9"],
+                                            "--num-prompts, --seed: only --source self samples; --source stdlib "
+                                            "reads its prompts"),
     "prompts --out empty": ("train.py", ["prompts", "--target", "{l}", "--out", ""],
                             "--out '' must name a file (it is empty)"),
     "distill without tokenizer": ("train.py", DISTILL, "--target '{l}': no tokenizer (prompts need its chat "
@@ -3285,6 +3289,18 @@ def test_self_prompts_from_smollm2_are_its_own_user_turns(tmp_path):
     assert f"sampled {sampling['sampled']} turns for 3 prompts" in result.stderr
     assert not {train.normalized(p) for p in prompts} & train.evaluation_prompts()
     assert all(len(train.encode_chat(tokenizer, p)) <= 96 for p in prompts)
+
+
+@pytest.mark.package
+def test_prompts_that_keep_nothing_write_nothing(tmp_path):
+    """`prompts` with a --max-prompt-tokens no stub fits (SmolLM2's chat template alone is longer) ends in
+    one line and writes no file."""
+    out = tmp_path / "none.json.xz"
+    result = run_train_cli("prompts", "--source", "stdlib", "--target", str(offline.ensure_smollm2()), "--out",
+                           str(out), "--max-prompt-tokens", "8")
+    assert result.returncode == 2 and not out.exists()
+    assert result.stderr.strip().splitlines()[-1] == "error: --source stdlib: no prompt fits --max-prompt-tokens " \
+                                                      "= 8 (chat template included); nothing written"
 
 
 @pytest.mark.package

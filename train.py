@@ -1516,7 +1516,16 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[int], dict]:
     return data.pop("prompts"), data.pop("indices"), data
 
 
+SELF_PROMPT_FLAGS = {"num_prompts": 20000, "temperature": 1.0, "batch_size": 256, "seed": 0, "device": None,
+                     "dtype": None}   # `prompts` flags that only --source self reads, and their defaults
+
+
 def cmd_prompts(args):
+    given = [name for name in SELF_PROMPT_FLAGS if getattr(args, name) is not None]
+    dflash.require(args.source == "self" or not given, f"{', '.join('--' + n.replace('_', '-') for n in given)}: "
+                   f"only --source self samples; --source {args.source} reads its prompts")
+    for name, default in SELF_PROMPT_FLAGS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     require_out_file(args.out)
     require_at_least(args, 1, "max_prompt_tokens")
     tokenizer = offline.load_tokenizer(args.target)
@@ -1543,6 +1552,8 @@ def cmd_prompts(args):
         print(f"sampled {report['sampled']} turns for {len(prompts)} prompts; left out: "
               + (", ".join(f"{n} {why}" for why, n in report["left_out"].items() if n) or "none"), file=sys.stderr)
         dflash.require(len(prompts) > 0, "--source self: no sampled turn was kept")
+    dflash.require(len(prompts) > 0, f"--source {args.source}: no prompt fits --max-prompt-tokens = "
+                   f"{args.max_prompt_tokens} (chat template included); nothing written")
     write_prompt_file(Path(args.out), prompts, indices, meta)
     print(f"{len(prompts)} prompts -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
 
@@ -1837,10 +1848,10 @@ def parse_args(argv=None):
                    help="ShareGPT user turns; code stubs (def line + docstring) from this Python's standard "
                         "library, posed as HumanEval poses its problems; or user turns that the target writes "
                         "itself, sampled from its chat template's user prefix (dense Llama/Qwen3 targets)")
-    s.add_argument("--num-prompts", type=int, default=20000, help="--source self: prompts to keep")
-    s.add_argument("--temperature", type=float, default=1.0, help="--source self: sampling temperature")
-    s.add_argument("--batch-size", type=int, default=256, help="--source self: turns sampled together")
-    s.add_argument("--seed", type=int, default=0, help="--source self: sampling seed")
+    s.add_argument("--num-prompts", type=int, help="--source self: prompts to keep (default 20000)")
+    s.add_argument("--temperature", type=float, help="--source self: sampling temperature (default 1.0)")
+    s.add_argument("--batch-size", type=int, help="--source self: turns sampled together (default 256)")
+    s.add_argument("--seed", type=int, help="--source self: sampling seed (default 0)")
     s.add_argument("--device", help="--source self: default cuda if available, else cpu")
     s.add_argument("--dtype", choices=list(dflash.DTYPES), help="--source self: default float32 on CPU, "
                    "bfloat16 on CUDA")
