@@ -1064,6 +1064,8 @@ BAD_FLAGS = {
                                  "--target-only)"),
     "train --heldout 99": ("train.py", TRAIN + ["--heldout", "99"],
                            "--heldout = 99 must be in 0..23 ({data} has 24 greedy answers)"),
+    "train --data twice": ("train.py", TRAIN + ["--data", "{data}", "{data}"],
+                           "--data: {data} given twice (its answers would train twice as often)"),
     "train --heldout 4 4": ("train.py", TRAIN + ["--heldout", "4", "4"], "--heldout has 2 counts for 1 --data file"),
     "train --heldout -1": ("train.py", TRAIN + ["--heldout", "-1"], "--heldout = -1: counts must be ≥ 0"),
     "train --heldout-tokens 0": ("train.py", TRAIN + ["--heldout-tokens", "0"], "--heldout-tokens = 0 must be at least 1"),
@@ -3738,6 +3740,21 @@ def test_a_snapshot_killed_midway_leaves_the_last_snapshot_whole(tiny, tmp_path,
     assert len(log["history"]) == 2 and log["snapshot"] is True
     assert all(torch.equal(saved[k], snapshots[0][k]) for k in saved)          # step 2's weights, with step 2's log
     assert any(not torch.equal(saved[k], snapshots[1][k]) for k in saved)      # not step 4's, which trained on
+
+
+def test_train_notes_data_distilled_from_another_target(tiny, tmp_path, capsys):
+    """`train` says when a --data file holds another target's answers (its meta names another dir), and
+    stays quiet for the --target's dir written another way."""
+    path, target, sequences = tiny
+    for name, made_by in (("other", "/elsewhere/another-target"), ("same", f"{path}/")):
+        train.save_sequences(tmp_path / f"{name}.pt", sequences, {"prompt_indices": list(range(len(sequences))),
+                                                                  "target": made_by})
+        train.main(["train", "--target", str(path), "--data", str(tmp_path / f"{name}.pt"), "--out",
+                    str(tmp_path / f"d-{name}"), "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK),
+                    "--max-steps", "1", "--heldout", "4", "--device", "cpu"])
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: --data")]
+        assert notes == ([f"note: --data {tmp_path / 'other.pt'} holds the answers of '/elsewhere/another-target', "
+                          f"the --target is '{path}'"] if name == "other" else [])
 
 
 # -----------------------------------------------------------------------------

@@ -337,6 +337,11 @@ def save_sequences(path: Path, sequences: list[Sequence], meta: dict):
     replace_file(path, lambda p: torch.save(data, p))
 
 
+def same_dir(a: str, b: str) -> bool:
+    """a and b name one existing dir (./t, t/ and /x/t)."""
+    return Path(a).is_dir() and Path(a).resolve() == Path(b).resolve()
+
+
 def load_sequences(path: Path) -> tuple[list[Sequence], dict]:
     try:
         data = torch.load(path, weights_only=True)
@@ -1614,7 +1619,6 @@ def cmd_distill(args):
         sequences, old = load_sequences(out)
         dflash.require("prompt_indices" in old, f"--resume: {out} does not say which prompts it answered "
                        "(no prompt_indices: not written by train.py distill)")
-        same_dir = lambda a, b: Path(a).is_dir() and Path(a).resolve() == Path(b).resolve()   # ./t, t/ and /x/t
         for key in ("target", "source", "max_new_tokens", "max_prompt_tokens"):   # indices mean nothing across sources
             if old.get(key) != meta[key] and not (key == "target" and same_dir(str(old.get(key)), meta[key])):
                 raise DFlashError(f"--resume: {out} has {key} = {old.get(key)}, this run {meta[key]}")
@@ -1710,6 +1714,8 @@ def cmd_train(args):
                    "drafter's config.json and model.safetensors would replace the target's")
     missing = [path for path in args.data if not Path(path).is_file()]
     dflash.require(not missing, f"--data: no such file: {', '.join(missing)}")
+    twice = sorted({p for p in args.data if sum(Path(q).resolve() == Path(p).resolve() for q in args.data) > 1})
+    dflash.require(not twice, f"--data: {', '.join(twice)} given twice (its answers would train twice as often)")
     dflash.require(len(args.heldout) <= len(args.data), f"--heldout has {len(args.heldout)} counts for "
                    f"{len(args.data)} --data file{'s' if len(args.data) > 1 else ''}")
     dflash.require(min(args.heldout) >= 0, f"--heldout = {' '.join(map(str, args.heldout))}: counts must be ≥ 0")
@@ -1725,6 +1731,11 @@ def cmd_train(args):
         if count:
             _, more_heldout[path], more_indices[path] = heldout_split(extra, extra_meta, count, path)
         loaded.append((path, extra, extra_meta))
+    for path, file_meta in [(args.data[0], meta)] + [(p, m) for p, _, m in loaded]:
+        made_by = file_meta.get("target")
+        if made_by is not None and not same_dir(str(made_by), args.target):   # a copy elsewhere trains as well
+            print(f"note: --data {path} holds the answers of '{made_by}', the --target is '{args.target}'",
+                  file=sys.stderr)
     rows = target.get_input_embeddings().weight.shape[0]
     for path, seqs in [(args.data[0], sequences)] + [(p, extra) for p, extra, _ in loaded]:
         ids = torch.cat([q.ids for q in seqs])
