@@ -48,6 +48,11 @@ def require(ok: bool, message: str):
         raise DFlashError(message)
 
 
+def require_seed(seed):
+    """--seed within what a torch Generator takes, with room for the seed + i a run derives from it."""
+    require(seed is None or 0 <= seed < 2 ** 63, f"--seed = {seed} must be in 0..2^63-1")
+
+
 # -----------------------------------------------------------------------------
 # Drafter config: every checkpoint format resolved at load into one description (spec §6)
 @dataclass
@@ -867,6 +872,7 @@ def main(argv=None, generate_fn=None):
     transformers.utils.logging.disable_progress_bar()
     device, dtype = device_and_dtype(args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    require_seed(args.seed)
     require(args.draft is None or args.target is not None, f"--draft = {args.draft!r} needs --target")
     require(args.target is None or args.draft is not None or args.target_only,
             f"--target = {args.target!r} needs --draft (or --target-only)")

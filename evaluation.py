@@ -183,6 +183,7 @@ def fastpath_generate(stack: ExitStack, target, drafter, capacity: int, K: int, 
 def main(argv=None):
     args = parse_args(argv)
     dflash.require(args.limit is None or args.limit >= 1, f"--limit = {args.limit} must be at least 1")
+    dflash.require_seed(args.seed)
     dflash.require(args.max_new_tokens >= 1, f"--max-new-tokens = {args.max_new_tokens} must be at least 1")
     out = Path(args.out)
     dflash.require(not out.exists() or out.is_dir(), f"--out {out} is a file; give a directory for eval.json")

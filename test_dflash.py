@@ -1024,6 +1024,9 @@ TRAIN_NO_MASK = ["train", "--target", "{l}", "--data", "{data}", "--out", "{tmp}
 TRAIN = TRAIN_NO_MASK + ["--mask-token-id", "1"]
 DISTILL = ["distill", "--target", "{l}", "--out", "{tmp}/a.pt", "--device", "cpu"]
 BAD_FLAGS = {
+    "--seed past 64 bits": ("dflash.py", SPEC + ["--prompt-ids", "1,2", "--seed", str(2 ** 64)],
+                            f"--seed = {2 ** 64} must be in 0..2^63-1"),
+    "train --seed -1": ("train.py", TRAIN + ["--seed", "-1"], "--seed = -1 must be in 0..2^63-1"),
     "--num-drafts 9": ("dflash.py", SPEC + ["--prompt-ids", "1,2", "--num-drafts", "9"],
                        "--num-drafts = 9 must be in 1..3 (the drafter's block_size is 4)"),
     "--num-drafts 0": ("dflash.py", SPEC + ["--prompt-ids", "1,2", "--num-drafts", "0"],

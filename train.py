@@ -1533,6 +1533,7 @@ def cmd_prompts(args):
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     require_out_file(args.out)
     require_at_least(args, 1, "max_prompt_tokens")
+    dflash.require_seed(args.seed)
     tokenizer = offline.load_tokenizer(args.target)
     dflash.require(tokenizer is not None, f"--target '{args.target}': no tokenizer")
     excluded = evaluation_prompts()
@@ -1587,6 +1588,7 @@ def cmd_distill(args):
     bad = [t for t in args.temperatures if not 0 <= t < math.inf]
     dflash.require(not bad, f"--temperatures: {bad} must be finite and ≥ 0 (0 is greedy)")
     require_positive_finite(args, "time_budget")
+    dflash.require_seed(args.seed)
     out = require_out_file(args.out)
     dflash.require(not out.exists() or args.resume, f"--out '{out}' exists: pass --resume to keep its answers and "
                    "add to them, or give another file")
@@ -1706,6 +1708,7 @@ def cmd_train(args):
     dflash.require(0 <= args.weight_decay < math.inf, f"--weight-decay = {args.weight_decay} must be ≥ 0 and finite")
     require_at_least(args, 1, "num_features")
     require_positive_finite(args, "time_budget")
+    dflash.require_seed(args.seed)
     dflash.require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
     out = Path(args.out)
     dflash.require(args.out != "" and not (out.exists() and not out.is_dir()),
