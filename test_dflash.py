@@ -3241,7 +3241,8 @@ def test_self_prompts_keep_only_ended_new_turns_far_from_the_evaluation_sets():
     """`prompts --source self` keeps a sampled user turn only if it ended with a stop token, is not empty
     or a repeat (case and spacing folded), shares no 8 words in a row with an evaluation prompt,
     defines no HumanEval function and fits; it samples from the template's user prefix, round by
-    round with the seed moving on, until it has enough, and reports what it left out and why."""
+    round with the seed moving on, until it has enough, and reports what it left out and why. Ctrl-C
+    keeps the turns judged before it and says so."""
     class Tok:   # one id per character; the template is S|U:<text>$ and then A: for the answer
         chat_template = "x"
         def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, **kwargs):
@@ -3265,13 +3266,24 @@ def test_self_prompts_keep_only_ended_new_turns_far_from_the_evaluation_sets():
     assert prompts == ["Plan a trip", "Sum a list", "A", "B"] and indices == [0, 7, 8, 9]
     assert report == {"sampled": 12, "left_out": {"no end": 1, "empty": 1, "repeated": 1,
                                                   "near an evaluation prompt": 1, "defines a HumanEval name": 1,
-                                                  "too long": 1}}
+                                                  "too long": 1}, "interrupted": False}
     prefix, room = Tok().encode("S|U:"), 60 - len("S|U:$A:")
     assert calls == [([prefix] * 4, room, {ord("$")}, 0.9, seed) for seed in (10, 11, 12)]
     calls.clear()   # an evaluation prompt of fewer than 8 words is left out where it matches exactly
     assert train.self_prompts(Decoder(), Tok(), 1, 60, 0.9, 0, {ord("$")}, ["plan a trip"], set(), 4) == (
         [], [], {"sampled": 4, "left_out": {"no end": 1, "empty": 1, "repeated": 0, "near an evaluation prompt": 2,
-                                             "defines a HumanEval name": 0, "too long": 0}})
+                                             "defines a HumanEval name": 0, "too long": 0}, "interrupted": False})
+
+    class Stopped(Decoder):   # Ctrl-C during the second round: the first round's judged turns are kept
+        def generate(self, *args):
+            if calls:
+                raise KeyboardInterrupt
+            return super().generate(*args)
+    calls.clear()
+    assert train.self_prompts(Stopped(), Tok(), 4, 60, 0.9, 10, {ord("$")}, [evaluation], set(), 4) == (
+        ["Plan a trip"], [0], {"sampled": 4, "left_out": {"no end": 1, "empty": 1, "repeated": 1,
+                                                          "near an evaluation prompt": 0, "defines a HumanEval name": 0,
+                                                          "too long": 0}, "interrupted": True})
 
 
 @pytest.mark.package
@@ -3294,6 +3306,29 @@ def test_self_prompts_from_smollm2_are_its_own_user_turns(tmp_path):
     assert f"sampled {sampling['sampled']} turns for 3 prompts" in result.stderr
     assert not {train.normalized(p) for p in prompts} & train.evaluation_prompts()
     assert all(len(train.encode_chat(tokenizer, p)) <= 96 for p in prompts)
+
+
+@pytest.mark.package
+def test_interrupted_self_prompts_write_what_they_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during `prompts --source self` writes the turns kept so far, marked interrupted in the file,
+    and exits 130; with none kept it writes nothing."""
+    out = tmp_path / "self.json.xz"
+    left_out = {"no end": 2, "empty": 0, "repeated": 0, "near an evaluation prompt": 0,
+                "defines a HumanEval name": 0, "too long": 0}
+    monkeypatch.setattr(offline, "load_tokenizer", lambda path: object())
+    for kept in (["Plan a trip"], []):
+        monkeypatch.setattr(train, "sampled_prompts", lambda args, tokenizer: (
+            kept, list(range(len(kept))), {"sampled": 3, "left_out": left_out, "interrupted": True}))
+        with pytest.raises(SystemExit) as exit:
+            train.main(["prompts", "--source", "self", "--target", str(tmp_path), "--out", str(out)])
+        assert exit.value.code == 130
+        assert "interrupted: sampled 3 turns for " + f"{len(kept)} prompts; left out: 2 no end" in capsys.readouterr().err
+        if kept:
+            prompts, indices, meta = train.read_prompt_file(out)
+            assert prompts == kept and meta["sampling"]["interrupted"] is True
+            out.unlink()
+        else:
+            assert not out.exists()
 
 
 @pytest.mark.package

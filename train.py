@@ -1471,25 +1471,28 @@ def self_prompts(decoder: BatchDecoder, tokenizer, count: int, max_tokens: int, 
     prompts, indices, seen = [], [], set()
     dropped = dict.fromkeys(["no end", "empty", "repeated", "near an evaluation prompt", "defines a HumanEval "
                              "name", "too long"], 0)
-    sampled = 0
-    while len(prompts) < count and sampled < 4 * count:
-        turns = decoder.generate([prefix] * round_size, room, stop_ids, temperature, seed + sampled // round_size)
-        for ids in turns:
-            sampled += 1
-            text = tokenizer.decode(ids[:-1], skip_special_tokens=True).strip()
-            key = normalized(text)
-            reason = ("no end" if ids[-1] not in stop_ids else "empty" if not text else
-                      "repeated" if key in seen else
-                      "near an evaluation prompt" if key in exact or shingles(text) & banned else
-                      "defines a HumanEval name" if defined_names(text) & excluded_names else
-                      "too long" if len(encode_chat(tokenizer, text)) > max_tokens else None)
-            if reason:
-                dropped[reason] += 1
-            elif len(prompts) < count:
-                seen.add(key)
-                prompts.append(text)
-                indices.append(sampled - 1)
-    return prompts, indices, {"sampled": sampled, "left_out": dropped}
+    sampled, interrupted = 0, False
+    try:   # Ctrl-C ends the sampling; the turns judged so far are kept
+        while len(prompts) < count and sampled < 4 * count:
+            turns = decoder.generate([prefix] * round_size, room, stop_ids, temperature, seed + sampled // round_size)
+            for ids in turns:
+                text = tokenizer.decode(ids[:-1], skip_special_tokens=True).strip()
+                key = normalized(text)
+                reason = ("no end" if ids[-1] not in stop_ids else "empty" if not text else
+                          "repeated" if key in seen else
+                          "near an evaluation prompt" if key in exact or shingles(text) & banned else
+                          "defines a HumanEval name" if defined_names(text) & excluded_names else
+                          "too long" if len(encode_chat(tokenizer, text)) > max_tokens else None)
+                if reason:
+                    dropped[reason] += 1
+                elif len(prompts) < count:
+                    seen.add(key)
+                    prompts.append(text)
+                    indices.append(sampled)
+                sampled += 1
+    except KeyboardInterrupt:
+        interrupted = True
+    return prompts, indices, {"sampled": sampled, "left_out": dropped, "interrupted": interrupted}
 
 
 def write_prompt_file(path: Path, prompts: list[str], indices: list[int], meta: dict):
@@ -1555,13 +1558,18 @@ def cmd_prompts(args):
         meta["excluded"] = f"any turn sharing {SHINGLE_WORDS} words in a row with one of the {len(excluded)} " \
                            f"MT-Bench and HumanEval prompts, or defining a function a HumanEval prompt defines"
         meta["sampling"] = report
-        print(f"sampled {report['sampled']} turns for {len(prompts)} prompts; left out: "
+        print(f"{'interrupted: ' if report['interrupted'] else ''}sampled {report['sampled']} turns for "
+              f"{len(prompts)} prompts; left out: "
               + (", ".join(f"{n} {why}" for why, n in report["left_out"].items() if n) or "none"), file=sys.stderr)
+        if report["interrupted"] and not prompts:
+            raise SystemExit(130)
         dflash.require(len(prompts) > 0, "--source self: no sampled turn was kept")
     dflash.require(len(prompts) > 0, f"--source {args.source}: no prompt fits --max-prompt-tokens = "
                    f"{args.max_prompt_tokens} (chat template included); nothing written")
     write_prompt_file(Path(args.out), prompts, indices, meta)
     print(f"{len(prompts)} prompts -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+    if meta.get("sampling", {}).get("interrupted"):
+        raise SystemExit(130)
 
 
 def sampled_prompts(args, tokenizer):
