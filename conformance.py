@@ -355,10 +355,19 @@ def margin(values: dict, target_margin: float) -> float:
     return min([target_margin] + draft)
 
 
+CASE_FILES = {"target", "drafter", "case.json", "expected.safetensors"}
+
+
 def write_case(root: Path, name: str, case: dict, seed: int):
     """fill_case into a dir beside the case's, then moved into place: an interrupted write leaves the old
     case whole, never a new seed's model beside the old case.json."""
-    offline.replace_dir(Path(root) / name, lambda directory: fill_case(directory, name, case, seed))
+    directory = Path(root) / name
+    if directory.exists() or directory.is_symlink():   # replaced whole: it must hold nothing but a case
+        dflash.require(directory.is_dir(), f"conformance: {directory} is a file, not a case's dir")
+        others = sorted(p.name for p in directory.iterdir() if p.name not in CASE_FILES)
+        dflash.require(not others, f"conformance: {directory} holds files a case does not ({', '.join(others)}); "
+                       "move them or give another --kit")
+    offline.replace_dir(directory, lambda partial: fill_case(partial, name, case, seed))
 
 
 def fill_case(directory: Path, name: str, case: dict, seed: int):

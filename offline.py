@@ -82,16 +82,27 @@ def replace_file(path: Path, write):
 
 def replace_dir(directory: Path, write):
     """write(d) into a sibling dir `<name>.partial`, then moved into place: a run killed while writing
-    leaves the old dir whole (the next run removes the sibling). The old dir is renamed aside before the
-    new one moves in and removed after, so it is never half replaced."""
+    leaves the old dir whole (the next run removes the sibling). The old dir is renamed aside to
+    `<name>.old` before the new one moves in and removed after, so it is never half replaced; a run killed
+    between the two renames leaves it there, and the next run puts it back first."""
     partial, old = (directory.with_name(directory.name + suffix) for suffix in (".partial", ".old"))
+    if (old.exists() or old.is_symlink()) and not (directory.exists() or directory.is_symlink()):
+        old.rename(directory)
     for leftover in (partial, old):   # an earlier run's, killed midway
-        shutil.rmtree(leftover, ignore_errors=True)
+        remove(leftover)
     write(partial)
-    if directory.exists():
+    if directory.exists() or directory.is_symlink():
         directory.rename(old)
     partial.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
+    remove(old)
+
+
+def remove(path: Path):
+    """Remove a dir tree, a file or a link (not what it points to); nothing if there is none."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def smollm2_gguf() -> Path:
@@ -165,7 +176,7 @@ def convert_smollm2(gguf: Path, directory: Path):
         files = {p.name: sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
         (partial / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf), "sha256": SMOLLM2_SHA256, "files": files,
                                                        "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
-    replace_dir(directory, write)
+    replace_dir(directory.resolve(), write)   # a linked cache dir is replaced where it points
 
 
 def write_smollm2(gguf: Path, directory: Path):

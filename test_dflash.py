@@ -1922,8 +1922,8 @@ def test_fastpath_parts_compiled_by_inductor_follow_eager_on_cuda(checkpoints, t
     """On CUDA in fp32, through the Triton kernels: the draft and verify parts compiled by inductor as
     capture_graphs compiles them advance the buffers as the eager parts do over three steps, the drafts
     exactly. The graph tests compare tokens and acceptance, which a random drafter's rejected drafts
-    do not show: a draft part whose block rows saw too few slots passed them (the draft part's visible
-    range stored with `fastpath.stored`, whose view's storage offset torch 2.11's inductor drops)."""
+    do not show: a draft part whose block rows saw too few slots passed them (when `fastpath.stored`
+    was `as_strided` of the positions, torch 2.11's inductor read `positions[-1].expand(W)` at offset 0)."""
     target = dflash.load_target(str(checkpoints["llama"]), torch.float32, "cuda")
     drafter = dflash.load_drafter(str(write_drafter(tmp_path / "d", fmt, block_size=16, num_layers=2)), target,
                                   torch.float32, "cuda")
@@ -1972,6 +1972,17 @@ def test_stored_values_are_computed_once_under_inductor(rows):
 
     assert len(slot_kernels(lambda t: t)) == 3
     assert len(slot_kernels(fastpath.stored)) == 1
+
+
+def test_stored_views_keep_their_offset_under_inductor():
+    """A view at an offset through `fastpath.stored` reads the values it views, compiled as in eager (the
+    draft part's last position, `positions[-1].expand(W)`; torch 2.11's inductor read the first)."""
+    def visible(start):
+        positions = start + torch.arange(4)                                             # (4,)
+        return fastpath.stored(positions), fastpath.stored(positions[-1].expand(4)) * 1
+    torch._dynamo.reset()
+    got = torch.compile(visible, fullgraph=True, dynamic=False)(torch.tensor(5))
+    assert [g.tolist() for g in got] == [[5, 6, 7, 8], [8, 8, 8, 8]]
 
 
 @pytest.mark.gpu
@@ -3311,24 +3322,28 @@ def test_self_prompts_from_smollm2_are_its_own_user_turns(tmp_path):
 @pytest.mark.package
 def test_interrupted_self_prompts_write_what_they_kept(tmp_path, monkeypatch, capsys):
     """Ctrl-C during `prompts --source self` writes the turns kept so far, marked interrupted in the file,
-    and exits 130; with none kept it writes nothing."""
+    and exits 130; with none kept, or over an existing --out, it writes nothing and says so."""
     out = tmp_path / "self.json.xz"
     left_out = {"no end": 2, "empty": 0, "repeated": 0, "near an evaluation prompt": 0,
                 "defines a HumanEval name": 0, "too long": 0}
     monkeypatch.setattr(offline, "load_tokenizer", lambda path: object())
-    for kept in (["Plan a trip"], []):
+    for kept in ([], ["Plan a trip"], ["Plan a trip"]):
         monkeypatch.setattr(train, "sampled_prompts", lambda args, tokenizer: (
             kept, list(range(len(kept))), {"sampled": 3, "left_out": left_out, "interrupted": True}))
         with pytest.raises(SystemExit) as exit:
             train.main(["prompts", "--source", "self", "--target", str(tmp_path), "--out", str(out)])
         assert exit.value.code == 130
-        assert "interrupted: sampled 3 turns for " + f"{len(kept)} prompts; left out: 2 no end" in capsys.readouterr().err
-        if kept:
+        err = capsys.readouterr().err
+        assert "interrupted: sampled 3 turns for " + f"{len(kept)} prompts; left out: 2 no end" in err
+        if kept and "nothing written" not in err:
             prompts, indices, meta = train.read_prompt_file(out)
             assert prompts == kept and meta["sampling"]["interrupted"] is True
-            out.unlink()
+            out.write_bytes(b"a finished file")   # the next interrupted run leaves it as it was
+        elif kept:
+            assert f"nothing written: {out} exists and is left as it was" in err
+            assert out.read_bytes() == b"a finished file"
         else:
-            assert not out.exists()
+            assert "nothing written" in err and not out.exists()
 
 
 @pytest.mark.package
@@ -3911,6 +3926,41 @@ def test_gguf_with_the_wrong_bytes_is_refused(monkeypatch, tmp_path):
         offline.ensure_smollm2(tmp_path / "s")
 
 
+def test_replace_dir_never_leaves_a_dir_half_replaced(tmp_path):
+    """offline.replace_dir: a write that fails leaves the old dir whole; a run killed between its two
+    renames (the old dir aside, the new one not yet in) has the old dir put back by the next run; leftovers
+    that are links or files are removed, not followed."""
+    place = tmp_path / "case"
+    place.mkdir()
+    (place / "a").write_text("old")
+
+    def failing(d):
+        d.mkdir()
+        (d / "a").write_text("half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        offline.replace_dir(place, failing)
+    assert (place / "a").read_text() == "old" and (tmp_path / "case.partial").is_dir()
+    place.rename(tmp_path / "case.old")                        # killed between the renames
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        offline.replace_dir(place, lambda d: seen.append((place / "a").read_text()) or failing(d))
+    assert seen == ["old"] and (place / "a").read_text() == "old" and not (tmp_path / "case.old").exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("mine")
+    offline.remove(tmp_path / "case.partial")
+    (tmp_path / "case.partial").symlink_to(elsewhere)           # leftovers that are a link and a file
+    (tmp_path / "case.old").write_text("x")
+
+    def new(d):
+        d.mkdir()
+        (d / "a").write_text("new")
+    offline.replace_dir(place, new)
+    assert (place / "a").read_text() == "new" and (elsewhere / "keep").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case", "elsewhere"]
+
+
 def test_conversion_is_verified_not_trusted(monkeypatch, tmp_path, capsys):
     """The marker records every converted file's sha256. A finished dir is reused without converting; a
     damaged file or marker is reported and the dir converted again (by `prepare-target` too); a conversion
@@ -4165,6 +4215,11 @@ def test_an_interrupted_conformance_write_leaves_the_old_case_whole(tmp_path, mo
     conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["laguna"]
     assert json.loads((tmp_path / "laguna" / "case.json").read_text())["seed"] >= 7
+    (tmp_path / "laguna" / "my-dump.safetensors").write_bytes(b"mine")   # the case is replaced whole: refused
+    with pytest.raises(DFlashError, match=r"laguna holds files a case does not \(my-dump.safetensors\); move them "
+                                          r"or give another --kit"):
+        conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+    assert (tmp_path / "laguna" / "my-dump.safetensors").read_bytes() == b"mine"
 
 
 def test_every_case_covers_what_the_kit_promises():

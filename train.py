@@ -1462,8 +1462,9 @@ def self_prompts(decoder: BatchDecoder, tokenizer, count: int, max_tokens: int, 
     empty, is not a repeat (normalized text), shares no run of SHINGLE_WORDS words with any `excluded`
     prompt (MT-Bench and HumanEval), defines none of `excluded_names` and fits max_tokens with the
     template. Each round samples round_size turns at seed + round; at most 4 × count are sampled.
+    Ctrl-C ends the sampling with the turns judged so far.
     -> prompts, their sample numbers (the index of each in the order sampled), and a report: how many
-    turns were sampled and how many were left out for each reason."""
+    turns were sampled, how many were left out for each reason, and whether Ctrl-C ended it."""
     prefix = user_prefix(tokenizer)
     room = max_tokens - len(encode_chat(tokenizer, ""))        # the text's tokens at most, template left out
     dflash.require(room >= 1, f"--max-prompt-tokens = {max_tokens} leaves no room for a prompt's text")
@@ -1490,8 +1491,9 @@ def self_prompts(decoder: BatchDecoder, tokenizer, count: int, max_tokens: int, 
                     prompts.append(text)
                     indices.append(sampled)
                 sampled += 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:   # it may fall between a kept turn's text and its index
         interrupted = True
+        del prompts[len(indices):]
     return prompts, indices, {"sampled": sampled, "left_out": dropped, "interrupted": interrupted}
 
 
@@ -1561,7 +1563,9 @@ def cmd_prompts(args):
         print(f"{'interrupted: ' if report['interrupted'] else ''}sampled {report['sampled']} turns for "
               f"{len(prompts)} prompts; left out: "
               + (", ".join(f"{n} {why}" for why, n in report["left_out"].items() if n) or "none"), file=sys.stderr)
-        if report["interrupted"] and not prompts:
+        if report["interrupted"] and (not prompts or Path(args.out).exists()):
+            print(f"nothing written: {args.out} exists and is left as it was" if prompts else "nothing written",
+                  file=sys.stderr)
             raise SystemExit(130)
         dflash.require(len(prompts) > 0, "--source self: no sampled turn was kept")
     dflash.require(len(prompts) > 0, f"--source {args.source}: no prompt fits --max-prompt-tokens = "
@@ -1744,7 +1748,7 @@ def cmd_train(args):
         loaded.append((path, extra, extra_meta))
     for path, file_meta in [(args.data[0], meta)] + [(p, m) for p, _, m in loaded]:
         made_by = file_meta.get("target")
-        if made_by is not None and not same_dir(str(made_by), args.target):   # a copy elsewhere trains as well
+        if made_by is not None and str(made_by) != args.target and not same_dir(str(made_by), args.target):
             print(f"note: --data {path} holds the answers of '{made_by}', the --target is '{args.target}'",
                   file=sys.stderr)
     rows = target.get_input_embeddings().weight.shape[0]
