@@ -13,5 +13,5 @@ python3 -m pip install -q --no-deps --no-index --target $SITE .carry/fi/*.whl > 
 export PYTHONPATH=$SITE FLASHINFER_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader
 nvcc --version | tail -n 1
-timeout 480 python3 results/h200-flashinfer/scripts/flashinfer_probe.py $W/probe.json > $W/probe.log 2>&1
+timeout ${PROBE_S:-480} python3 results/h200-flashinfer/scripts/flashinfer_probe.py $W/probe.json > $W/probe.log 2>&1
 echo "probe: rc $? at $(el)s"; grep -v "^W[0-9]\{4\} " $W/probe.log | tail -n 30
