@@ -12,7 +12,7 @@ sha256sum $STASH/g0 $STASH/drafter/*; echo "stashed at $(el)s"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 TEST=test_fastpath_parts_compiled_by_inductor_follow_eager_on_cuda
-cp fastpath.py /tmp/fastpath_fresh.py && cp $HERE/scripts/fastpath_view.py fastpath.py
+cp fastpath.py /tmp/fastpath_fresh.py && python3 $HERE/scripts/variant.py view
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rA -k $TEST test_dflash.py > $OUT/gpu-tests-view.log 2>&1
 echo "view: rc $? at $(el)s"; grep -E "passed|failed|^E .*(assert|Error)" $OUT/gpu-tests-view.log | cut -c1-300 | tail -n 8
 cp /tmp/fastpath_fresh.py fastpath.py
