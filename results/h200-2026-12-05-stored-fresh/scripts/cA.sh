@@ -2,7 +2,7 @@
 # Call A (carries .carry/s: GGUF part g0 and the shipped drafter; the tree staged with stage.sh b): stash
 # them for call B, which must follow within 30 s. Then the CUDA test that the compiled draft and verify
 # parts draft exactly as the eager ones, first with the draft part's positions stored through
-# `as_strided` of a view (scripts/fastpath_view.py, expected to fail on torch 2.11), then with the tree's
+# `as_strided` (`variant.py view`; meant as the failing case, it stores the positions only), then with the tree's
 # fastpath.py (`stored` takes a fresh `t * 1`), with the verify's kernel-count test; then bench.py at
 # SmolLM2's size with the tree's fastpath.py.
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
