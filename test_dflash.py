@@ -1099,6 +1099,13 @@ BAD_FLAGS = {
     "train --init, another --block-size": ("train.py", TRAIN + ["--init", "{d}", "--block-size", "8"],
                                            "--block-size = 8 but the --init drafter's is 4: a checkpoint keeps its "
                                            "block, mask id and features (leave the flag out)"),
+    "evaluation --seed -1": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--seed", "-1"],
+                             "--seed = -1 must be in 0..2^63-1"),
+    "distill --seed past 63 bits": ("train.py", DISTILL + ["--seed", str(2 ** 63)], f"--seed = {2 ** 63} must be in "
+                                    "0..2^63-1"),
+    "prompts --source self --seed -1": ("train.py", ["prompts", "--source", "self", "--target", "{l}", "--out",
+                                                     "{tmp}/p.json.xz", "--seed", "-1"],
+                                        "--seed = -1 must be in 0..2^63-1"),
     "evaluation --out a file": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{data}"],
                                 "--out {data} is a file; give a directory for eval.json"),
     "evaluation --limit -3": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--limit",
