@@ -364,7 +364,7 @@ def write_case(root: Path, name: str, case: dict, seed: int):
     directory = Path(root) / name
     if directory.exists() or directory.is_symlink():   # replaced whole: it must hold nothing but a case
         dflash.require(directory.is_dir(), f"conformance: {directory} is a file, not a case's dir")
-        others = sorted(p.name for p in directory.iterdir() if p.name not in CASE_FILES)
+        others = offline.foreign_names(directory, CASE_FILES)
         dflash.require(not others, f"conformance: {directory} holds files a case does not ({', '.join(others)}); "
                        "move them or give another --kit")
     offline.replace_dir(directory, lambda partial: fill_case(partial, name, case, seed))

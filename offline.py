@@ -97,6 +97,12 @@ def replace_dir(directory: Path, write):
     remove(old)
 
 
+def foreign_names(directory: Path, owned: set) -> list[str]:
+    """The names in directory (none if it is not a dir) that are not in owned: what replace_dir would
+    remove with it that its writer does not make."""
+    return sorted(p.name for p in directory.iterdir() if p.name not in owned) if directory.is_dir() else []
+
+
 def remove(path: Path):
     """Remove a dir tree, a file or a link (not what it points to); nothing if there is none."""
     if path.is_symlink() or path.is_file():
@@ -132,7 +138,7 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     # converting again replaces the dir: only one that holds nothing but a conversion's files
     if directory.exists() and not directory.is_dir():
         raise PackageError(f"SmolLM2 cache: {directory} is a file, not a directory")
-    others = sorted(p.name for p in directory.iterdir() if p.name not in CONVERTED) if directory.exists() else []
+    others = foreign_names(directory, CONVERTED)
     if others:
         raise PackageError(f"SmolLM2 cache: {directory} holds files no conversion writes ({', '.join(others[:3])}"
                            f"{', ...' if len(others) > 3 else ''}); give an empty or new directory")

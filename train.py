@@ -337,9 +337,10 @@ def save_sequences(path: Path, sequences: list[Sequence], meta: dict):
     replace_file(path, lambda p: torch.save(data, p))
 
 
-def same_dir(a: str, b: str) -> bool:
-    """a and b name one existing dir (./t, t/ and /x/t)."""
-    return Path(a).is_dir() and Path(a).resolve() == Path(b).resolve()
+def same_target(a: str, b: str) -> bool:
+    """a and b name one target: the same string (a hub id too), or one existing dir written two ways (./t,
+    t/ and /x/t)."""
+    return a == b or (Path(a).is_dir() and Path(a).resolve() == Path(b).resolve())
 
 
 def load_sequences(path: Path) -> tuple[list[Sequence], dict]:
@@ -1634,7 +1635,7 @@ def cmd_distill(args):
         dflash.require("prompt_indices" in old, f"--resume: {out} does not say which prompts it answered "
                        "(no prompt_indices: not written by train.py distill)")
         for key in ("target", "source", "max_new_tokens", "max_prompt_tokens"):   # indices mean nothing across sources
-            if old.get(key) != meta[key] and not (key == "target" and same_dir(str(old.get(key)), meta[key])):
+            if old.get(key) != meta[key] and not (key == "target" and same_target(str(old.get(key)), meta[key])):
                 raise DFlashError(f"--resume: {out} has {key} = {old.get(key)}, this run {meta[key]}")
         done = list(old["prompt_indices"])
         temperatures = list(old.get("temperatures") or [0.0] * len(done))
@@ -1746,13 +1747,14 @@ def cmd_train(args):
         if count:
             _, more_heldout[path], more_indices[path] = heldout_split(extra, extra_meta, count, path)
         loaded.append((path, extra, extra_meta))
-    for path, file_meta in [(args.data[0], meta)] + [(p, m) for p, _, m in loaded]:
+    files = [(args.data[0], sequences, meta)] + loaded                                 # (path, sequences, meta)
+    for path, _, file_meta in files:
         made_by = file_meta.get("target")
-        if made_by is not None and str(made_by) != args.target and not same_dir(str(made_by), args.target):
+        if made_by is not None and not same_target(str(made_by), args.target):
             print(f"note: --data {path} holds the answers of '{made_by}', the --target is '{args.target}'",
                   file=sys.stderr)
     rows = target.get_input_embeddings().weight.shape[0]
-    for path, seqs in [(args.data[0], sequences)] + [(p, extra) for p, extra, _ in loaded]:
+    for path, seqs, _ in files:
         ids = torch.cat([q.ids for q in seqs])
         outside = ids[(ids < 0) | (ids >= rows)]
         dflash.require(len(outside) == 0, f"--data {path}: token {int(outside[0]) if len(outside) else 0} is "

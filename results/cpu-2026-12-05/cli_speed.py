@@ -8,6 +8,7 @@ copy bandwidth, measured here (read + write of a 1 GiB fp32 tensor, median of 10
     $ python results/cpu-2026-12-05/cli_speed.py OUT.json [RUNS]
 """
 import json
+import math
 import os
 import platform
 import re
@@ -41,14 +42,7 @@ def copy_bandwidth(nbytes=1 << 30) -> float:
 def fp32_bytes(path) -> int:
     """The fp32 bytes of a safetensors file's tensors (whatever dtype it stores them in)."""
     with safe_open(path, "pt") as f:
-        return sum(4 * prod(f.get_slice(name).get_shape()) for name in f.keys())
-
-
-def prod(shape) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
+        return sum(4 * math.prod(f.get_slice(name).get_shape()) for name in f.keys())
 
 
 def run(flags) -> dict:
