@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
+import cli
 import dflash
 import fastpath
-import offline
+import files
 
 SHAPES = {   # target config and DFlash drafter shape
     "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -330,7 +331,7 @@ def main(argv=None):
         if args.out:
             value = dict(conditions=conditions, rows=rows, errors=errors, layers=layers, step_profile=profile,
                          ar_step_profile=ar_profile)
-            offline.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(value, indent=2)))
+            files.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(value, indent=2)))
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
@@ -401,4 +402,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    dflash.run_cli(main)
+    cli.run(main)

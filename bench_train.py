@@ -3,7 +3,7 @@
 Builds a SmolLM2-135M-shaped target with random weights (or loads --target), then, side by side in
 one run, after warm-up:
 
-  distill   response tokens/s of the same prompts at the same batch: train.BatchDecoder (static K/V,
+  distill   response tokens/s of the same prompts at the same batch: distill.BatchDecoder (static K/V,
             continuous batching, one CUDA graph per temperature) against HF generate (dynamic cache).
             No stop tokens, so every row decodes all new tokens (the rate of rows that run to the
             cap; on real prompts ended rows are refilled). Floor: per step, max(weights + K/V
@@ -38,8 +38,12 @@ import torch
 import torch.nn.functional as F
 
 import bench
+import checkpoint
+import cli
 import dflash
-import offline
+import distill
+import files
+import packed
 import train
 
 SHAPE = bench.SHAPES["smollm2-135m"]
@@ -90,7 +94,7 @@ def bench_distill(target, prompts, max_new: int, hf_max_new: int, bandwidth: flo
                   skip_hf: bool = False) -> list[dict]:
     """BatchDecoder and HF generate on the same prompts and batch; rows run to max_new (no stops)."""
     Bt, P = len(prompts), max(map(len, prompts))
-    decoder = train.BatchDecoder(target, Bt, P + max(max_new, hf_max_new))
+    decoder = distill.BatchDecoder(target, Bt, P + max(max_new, hf_max_new))
     decoder.generate(prompts, max_new)                         # compiles and captures every bucket's graph: untimed
     rows = []
     for new in sorted({hf_max_new, max_new}):
@@ -125,7 +129,7 @@ def liger_loss(target, hidden, labels, weights):
     labels = labels.to(hidden.device)
     total, weight_sum = 0, 0
     for k in range(1, labels.shape[1]):
-        keep = labels[:, k] != train.IGNORE
+        keep = labels[:, k] != packed.IGNORE
         total = total + weights[k] * ce(head, hidden[:, k][keep].to(head.dtype), labels[:, k][keep])
         weight_sum = weight_sum + weights[k] * keep.sum()
     return total / weight_sum
@@ -134,7 +138,7 @@ def liger_loss(target, hidden, labels, weights):
 def full_logits_loss(target, hidden, labels, weights):
     """block_loss with the whole (M, V) float32 logits materialised, as autograd sees them."""
     labels = labels.to(hidden.device)
-    keep = labels != train.IGNORE
+    keep = labels != packed.IGNORE
     w = weights.expand_as(labels)[keep]
     ce = F.cross_entropy(train.lm_logits(target, hidden[keep]), labels[keep], reduction="none")
     return (w * ce).sum() / w.sum()
@@ -168,8 +172,8 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             indices = torch.randperm(len(sequences), generator=g)[:batch].tolist()   # a new shape nearly every step
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            features, labels, _ = train.pad_positions(*store.batch(indices), pad[0])
-            blocks = train.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
+            features, labels, _ = packed.pad_positions(*store.batch(indices), pad[0])
+            blocks = packed.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
                                        g, labels=labels, pad_to=pad[1])
             with train.autocast(features.device):
                 loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
@@ -204,14 +208,14 @@ def main(argv=None):
     p.add_argument("--skip", default="", help="comma-separated: distill, hf (its HF generate row), train")
     p.add_argument("--out", help="write the results as JSON here (after each section)")
     args = p.parse_args(argv)
-    train.require_at_least(args, 1, "distill_batch", "max_new", "hf_max_new", "train_batch", "steps")
+    cli.require_at_least(args, 1, "distill_batch", "max_new", "hf_max_new", "train_batch", "steps")
     skip = bench.skipped(args.skip, ("distill", "hf", "train"))
     dflash.require(args.train_batch <= TRAIN_SEQUENCES, f"--train-batch = {args.train_batch} must be at most "
                    f"{TRAIN_SEQUENCES} (the sequences a step draws from)")
     bench.require_out_dir(args.out)
     dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
     if args.target:
-        target = dflash.load_target(args.target, torch.bfloat16, "cuda")
+        target = checkpoint.load_target(args.target, torch.bfloat16, "cuda")
     else:
         target, _ = bench.build_pair(SHAPE)
     bandwidth, flops = bench.copy_bandwidth(), matmul_rate()
@@ -224,7 +228,7 @@ def main(argv=None):
 
     def save():   # after each section, in one step: a run cut short keeps the sections before
         if args.out:
-            offline.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(result, indent=2)))
+            files.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(result, indent=2)))
     save()   # the conditions, before any section
     if "distill" not in skip:
         lengths = torch.randint(16, 257, (args.distill_batch,), generator=g).tolist()
@@ -239,7 +243,7 @@ def main(argv=None):
             print(f"{r['impl']:30} {r['new_tokens']:5} {r['seconds']:8.2f} {r['tokens_per_s']:10.0f} "
                   f"{r.get('floor_tokens_per_s', float('nan')):12.0f}")
     if "train" not in skip:
-        sequences = [train.Sequence(torch.randint(0, vocab - 2, (int(n),), generator=g), 100)
+        sequences = [distill.Sequence(torch.randint(0, vocab - 2, (int(n),), generator=g), 100)
                      for n in torch.randint(300, 613, (TRAIN_SEQUENCES,), generator=g)]
         losses = {"chunked": train.block_loss, "full-logits": full_logits_loss}
         try:
@@ -267,4 +271,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    dflash.run_cli(main)
+    cli.run(main)

@@ -29,13 +29,16 @@ from unittest import mock
 import torch
 from safetensors.torch import load_file, save_file
 
+import checkpoint
+import cli
 import dflash
 import fastpath
-import offline
+import files
+import tiny
 
 KIT = Path(__file__).resolve().parent / "conformance"
 ROUNDS = 8        # stages are kept for rounds 0..ROUNDS; the tokens for the whole generation
-VOCAB, H, T_LAYERS, MAX_POS = 8, 32, 6, 128
+VOCAB, MAX_POS = 8, 128   # every case's vocabulary and positions
 
 # Stages in the order a round computes them: name -> (shape, atol = rtol, the pitfall it usually means).
 STAGES = {
@@ -103,76 +106,12 @@ CASES = {
 # -----------------------------------------------------------------------------
 # The checkpoint pair of a case, from seeded draws (byte-identical wherever torch's CPU generator is)
 
-def target_config(family: str) -> dict:
-    """config.json of a tiny target: only the keys that matter, so that the file does not change with the
-    transformers version (its defaults fill the rest at load)."""
-    common = dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=64, num_hidden_layers=T_LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    if family in ("qwen3", "llama"):
-        return {"model_type": family, "architectures": [{"qwen3": "Qwen3", "llama": "Llama"}[family] + "ForCausalLM"],
-                **common}
-    return {"model_type": "laguna", "architectures": ["LagunaForCausalLM"], **common, "sliding_window": 5,
-            "layer_types": ["sliding_attention", "full_attention"] * 3, "num_attention_heads_per_layer": [4, 2] * 3,
-            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32}
-
-
-def seeded(shape, name: str, generator, head_scale: float = 4.0) -> torch.Tensor:
-    """Norms near 1, matrices with unit-variance outputs; the target's LM head head_scale times that (4x by
-    default, so argmaxes are clear)."""
-    if len(shape) == 1:
-        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
-    scale = head_scale if name == "lm_head.weight" else 1.0
-    return torch.randn(shape, generator=generator) * scale / shape[-1] ** 0.5
-
-
-def write_target(directory: Path, family: str, seed: int, head_scale: float = 4.0):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    raw = target_config(family)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(raw, indent=1, sort_keys=True))
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
-    g = torch.Generator().manual_seed(seed)
-    tensors = {name: seeded(t.shape, name, g, head_scale) if t.is_floating_point() else t.clone()
-               for name, t in sorted(model.state_dict().items())}
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-
-
-def drafter_config(case: dict) -> dict:
-    fmt, L, B = case["fmt"], case["layers"], case["block_size"]
-    arch = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=L, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=VOCAB)
-    nested = {"mask_token_id": VOCAB - 1}
-    if case["layer_ids"] is not None:   # else the default ids
-        nested["target_layer_ids"] = case["layer_ids"]
-    if fmt == "zlab":
-        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "block_size": B,
-                "rope_theta": 1000000.0, "num_target_layers": T_LAYERS, "layer_types": ["full_attention"] * L,
-                "dflash_config": nested}
-    if fmt == "zlab-new":
-        rope = {"rope_type": "default", "rope_theta": 10000000.0}
-        if "rope_by_type" in case:   # one base per layer type
-            rope = {kind: {"rope_type": "default", "rope_theta": theta} for kind, theta in case["rope_by_type"].items()}
-        causal = {} if "causal" not in case else {"causal": case["causal"]}
-        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "rope_parameters": rope,
-                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"][:L],
-                "sliding_window": case["window"], "dflash_config": {"block_size": B, **causal, **nested}}
-    return {"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna", **arch, "gating": "per-head",
-            "layer_types": ["sliding_attention"] * L, "sliding_window": case["window"],
-            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-            "dflash_config": {"block_size": B, "num_target_layers": T_LAYERS, "causal": True, **nested}}
-
-
-def write_drafter(directory: Path, case: dict, seed: int):
-    raw = drafter_config(case)
-    n = case.get("num_features") or len(case["layer_ids"])
-    shapes = dflash.checkpoint_tensors(dflash.Drafter(dflash.load_draft_config(raw, T_LAYERS, n * H)))
-    g = torch.Generator().manual_seed(seed)
-    tensors = {name: seeded(t.shape, name, g) for name, t in sorted(shapes.items())}
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(raw, indent=1, sort_keys=True))
+def write_pair(directory: Path, case: dict, seed: int):
+    """The case's target and drafter, as tiny.py writes them: a vocabulary of 8, 128 positions."""
+    tiny.write_target(directory / "target", case["target"], seed, VOCAB, MAX_POS, case.get("head_scale", 4.0))
+    raw = tiny.drafter_config(case["fmt"], case["block_size"], case["layer_ids"], VOCAB, case["layers"],
+                              case.get("window", 4), causal=case.get("causal"), rope_by_type=case.get("rope_by_type"))
+    tiny.write_drafter(directory / "drafter", raw, seed + 1, case.get("num_features") or len(case["layer_ids"]))
 
 
 # -----------------------------------------------------------------------------
@@ -340,9 +279,9 @@ def request_of(name: str, case: dict) -> dict:
 def load_case(case_dir: Path):
     """The pair (float32, CPU) and the request of a kit case."""
     case_dir = Path(case_dir)
-    spec = dflash.read_file(case_dir / "case.json", "conformance case")
-    target = dflash.load_target(str(case_dir / "target"), torch.float32, "cpu")
-    drafter = dflash.load_drafter(str(case_dir / "drafter"), target, torch.float32, "cpu")
+    spec = checkpoint.read_file(case_dir / "case.json", "conformance case")
+    target = checkpoint.load_target(str(case_dir / "target"), torch.float32, "cpu")
+    drafter = checkpoint.load_drafter(str(case_dir / "drafter"), target, torch.float32, "cpu")
     return target, drafter, spec
 
 
@@ -364,10 +303,10 @@ def write_case(root: Path, name: str, case: dict, seed: int):
     directory = Path(root) / name
     if directory.exists() or directory.is_symlink():   # replaced whole: it must hold nothing but a case
         dflash.require(directory.is_dir(), f"conformance: {directory} is a file, not a case's dir")
-        others = offline.foreign_names(directory, CASE_FILES)
+        others = files.foreign_names(directory, CASE_FILES)
         dflash.require(not others, f"conformance: {directory} holds files a case does not ({', '.join(others)}); "
                        "move them or give another --kit")
-    offline.replace_dir(directory, lambda partial: fill_case(partial, name, case, seed))
+    files.replace_dir(directory, lambda partial: fill_case(partial, name, case, seed))
 
 
 def fill_case(directory: Path, name: str, case: dict, seed: int):
@@ -378,10 +317,9 @@ def fill_case(directory: Path, name: str, case: dict, seed: int):
     append are checked; its request; dflash.py's values at every stage."""
     request = request_of(name, case)
     for seed in range(seed, seed + 40, 2):
-        write_target(directory / "target", case["target"], seed, case.get("head_scale", 4.0))
-        write_drafter(directory / "drafter", case, seed + 1)
-        target = dflash.load_target(str(directory / "target"), torch.float32, "cpu")
-        drafter = dflash.load_drafter(str(directory / "drafter"), target, torch.float32, "cpu")
+        write_pair(directory, case, seed)
+        target = checkpoint.load_target(str(directory / "target"), torch.float32, "cpu")
+        drafter = checkpoint.load_drafter(str(directory / "drafter"), target, torch.float32, "cpu")
         values, gen, recorder = record_reference(target, drafter, request)
         if request["temperature"] > 0:
             greedy = dflash.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"]).tokens
@@ -451,7 +389,7 @@ def check(case_dir: Path, dump: dict) -> dict:
     """Compare a dump with a case: per key 'ok', 'missing' or the first difference; the first stage that
     differs and its pitfall."""
     case_dir = Path(case_dir)
-    spec = dflash.read_file(case_dir / "case.json", "conformance case")
+    spec = checkpoint.read_file(case_dir / "case.json", "conformance case")
     expected = load_file(case_dir / "expected.safetensors") | {
         "acceptance_lengths": torch.tensor(spec["acceptance_lengths"])}
     whole_run = {"tokens": spec["tokens"], "acceptance_lengths": {"tolerance": 0, "pitfall": ACCEPTANCE_PITFALL}}
@@ -534,7 +472,7 @@ def main(argv=None):
         target, drafter, spec = load_case(directory)
         save_file(record_fastpath(target, drafter, spec["request"]), args.out)
         return print(f"wrote {args.out}")
-    dump = dflash.read_file(Path(args.dump), "dump", load_file)
+    dump = checkpoint.read_file(Path(args.dump), "dump", load_file)
     result = check(directory, dump)
     print(report(result))
     if result["first"] is not None or not result["compared"]:
@@ -542,4 +480,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    dflash.run_cli(main)
+    cli.run(main)

@@ -2,9 +2,10 @@
 
 A block drafter, conditioned on hidden states captured from the target, proposes a whole block in one
 forward pass; the target verifies it in one pass and keeps the longest prefix that matches its own choice,
-so greedy output is token-identical to the target's greedy decode. This is the clean reference: plain
-PyTorch, one generate loop, deliberately simple, not fast (`fastpath.py` is the same math, fast). The math
-comes first, in the order a step runs it; loading, validation and transformers glue follow, then the CLI.
+so greedy output is token-identical to the target's greedy decode. This file is the algorithm and nothing
+else, in the order a step runs it: config, drafter modules, target capture, drafter block, verification,
+`generate`. Plain PyTorch, deliberately simple, not fast: `fastpath.py` is the same math, fast. It imports
+no other file of the project: reading checkpoints is `checkpoint.py`, the command line `cli.py`.
 
     $ python dflash.py        # SmolLM2-135M-Instruct with the drafter shipped in drafter/
     $ python dflash.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
@@ -14,29 +15,16 @@ draft block (B, or K+1), N any count of rows or positions, H hidden, n captured 
 h/hk query/key heads, d head_dim; `...` is any leading batch shape (none when decoding, sequences when
 training).
 """
-import argparse
 import functools
 import inspect
-import json
-import re
-import sys
-import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import NamedTuple
 
-import huggingface_hub
-import safetensors.torch
 import torch
 import torch.nn.functional as F
-import transformers
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
-from transformers import AutoModelForCausalLM, DynamicCache
-
-import offline
+from transformers import DynamicCache
 
 
 class DFlashError(ValueError):
@@ -46,11 +34,6 @@ class DFlashError(ValueError):
 def require(ok: bool, message: str):
     if not ok:   # fail early, with a message that names the field and its value
         raise DFlashError(message)
-
-
-def require_seed(seed):
-    """--seed within what a torch Generator takes, with room for the seed + i a run derives from it."""
-    require(seed is None or 0 <= seed < 2 ** 63, f"--seed = {seed} must be in 0..2^63-1")
 
 
 # -----------------------------------------------------------------------------
@@ -73,7 +56,6 @@ class DraftConfig:
     gated: bool = False              # per-head softplus gate g_proj before o_proj (Laguna)
     capture_norms: bool = False      # an RMSNorm per captured layer before fc (Laguna's aux_hidden_norms)
     norm_context: bool = False       # each layer's input norm applied to the context before k/v (Laguna)
-    checkpoint_format: str = "zlab"  # tensor names on disk: "zlab" (q/k/v_proj) or "laguna" (qkv_proj)
 
 
 def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -119,10 +101,10 @@ def gate(logits, o):
 def attend(q, keys, values, mask):
     """Scaled dot-product attention of queries q (..., h, W, d) over keys, values (..., hk, S+W, d): the
     context's and the rows' own, each K/V head serving h/hk query heads -> (..., h, W, d). mask: (..., W, S+W)
-    bool, the keys each row sees, or None for all; or a PackedMask of the same rule (training's packed
-    forward on CUDA, after generate below)."""
-    if isinstance(mask, PackedMask):
-        return attend_packed(q, keys, values, mask)
+    bool, the keys each row sees, or None for all; or a mask that attends itself under the same rule
+    (training's packed forward on CUDA, `train.PackedMask`)."""
+    if hasattr(mask, "attend"):
+        return mask.attend(q, keys, values)
     # Each K/V head repeated for its query heads. SDPA's own enable_gqa runs only its math kernel under a
     # mask, which on CUDA upcasts to fp32 and writes out the scores; repeated, a masked call can take
     # memory-efficient attention
@@ -196,7 +178,7 @@ class DraftLayer(nn.Module):
 
 class Drafter(nn.Module):
     """No embeddings, no LM head: the target's serve. Parameter names are the checkpoint's, except that
-    z-lab's q_proj/k_proj/v_proj are one qkv_proj, fused at load (checkpoint_tensors maps them back)."""
+    z-lab's q_proj/k_proj/v_proj are one qkv_proj, fused at load (checkpoint.py maps them back)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -230,6 +212,26 @@ class Drafter(nn.Module):
 
 # -----------------------------------------------------------------------------
 # Target capture: layer outputs taken during the target's own forward
+
+# The target's SDPA kernels, cuDNN's left out: it plans every new sequence length on the host, about 1.5 ms
+# per layer with a mask on an H200, and decoding changes the length every round.
+TARGET_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decoder_layers(target: nn.Module) -> nn.ModuleList:
+    """The target's decoder stack: the ModuleList with one entry per hidden layer."""
+    num_layers = target.config.get_text_config().num_hidden_layers
+    layers = next((m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers), None)
+    require(layers is not None, f"target: no decoder stack of {num_layers} layers found")
+    return layers
+
+
+@functools.cache
+def cache_kwarg(model_class) -> str:
+    """The keyword a model's forward takes its cache by, looked up once per class (5.2x renamed it)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 class Capture:
     """Hooks on the captured target layers until close(): each forward leaves the residual stream leaving
     layer i (un-normed, before the final norm) in outputs[i]: HF's hidden_states[i + 1], except for the
@@ -497,440 +499,6 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     return out
 
 
-# -----------------------------------------------------------------------------
-# Training's packed attention: the draft layers' rule, with the context's unseen tiles skipped
-@functools.cache
-def compiled_flex_attention():
-    """flex attention fused by Triton, compiled on first use (torch.compile at import would cost every
-    import of this file a second or two)."""
-    return torch.compile(flex_attention)
-
-
-class PackedMask(NamedTuple):
-    """Training's packed forward on CUDA: W query rows in blocks of B, over keys [S context keys | the
-    W rows themselves]. Each row sees context keys by `context`, a flex attention BlockMask over the
-    context alone (its unseen tiles skipped), and the rows of its own block by `own` (B, B) bool, the
-    same for every block: the layer's causal/window rule within a block."""
-    context: BlockMask
-    own: torch.Tensor
-
-
-def attend_packed(q, keys, values, mask: PackedMask):
-    """attend under a PackedMask, in two parts joined by their log-sum-exps: the context through flex
-    attention (only the tiles some row sees, the K/V heads shared in the kernel) and each block's own B × B
-    rows as small dense products. Kept out of the flex call, the own rows add no partly seen tiles to it
-    (in it, each 128-row tile of 8 blocks of 16 would meet one or two tiles of the rows' keys, 1/8 seen,
-    each applying the rule)."""
-    (h, W, d), hk, B = q.shape[-3:], keys.shape[-3], mask.own.shape[0]
-    S = keys.shape[-2] - W                                                             # context keys
-    # a compiled drafter traces flex attention into its own graph; eager calls on CUDA take the compiled
-    # one (inductor's CPU flex attention returns no log-sum-exp: elsewhere the unfused one)
-    flex = compiled_flex_attention() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
-    out_context, aux = flex(q, keys[..., :S, :], values[..., :S, :], block_mask=mask.context, enable_gqa=True,
-                            return_aux=AuxRequest(lse=True))                           # (..., h, W, d), lse (..., h, W)
-    qb = q.unflatten(-3, (hk, h // hk)).unflatten(-2, (W // B, B))                     # (..., hk, g, W/B, B, d)
-    kb, vb = (t[..., S:, :].unflatten(-2, (W // B, B)).unsqueeze(-4) for t in (keys, values))  # (..., hk, 1, W/B, B, d)
-    exact = aux.lse.dtype                                                              # ≥ fp32, as flex's scores
-    scores = qb.to(exact) @ kb.to(exact).transpose(-1, -2) * d ** -0.5               # (..., hk, g, W/B, B, B)
-    scores = scores.masked_fill(~mask.own, float("-inf"))
-    lse_own = scores.logsumexp(-1)                                                     # (..., hk, g, W/B, B)
-    out_own = (scores - lse_own[..., None]).exp().to(vb.dtype) @ vb                    # (..., hk, g, W/B, B, d)
-    out_own = out_own.flatten(-3, -2).flatten(-4, -3)                                  # (..., h, W, d)
-    lse_own = lse_own.flatten(-2).flatten(-3, -2)                                      # (..., h, W)
-    lse = torch.logaddexp(aux.lse, lse_own)   # (..., h, W), finite: every row sees itself (a window is ≥ 1)
-    out = out_context * (aux.lse - lse).exp()[..., None] + out_own * (lse_own - lse).exp()[..., None]
-    return out.to(q.dtype)
-
-
-# -----------------------------------------------------------------------------
-# Loading and validation: checkpoints, config.json, transformers glue
-def read_file(path: Path, what: str, reader=lambda p: json.loads(p.read_text())):
-    """reader(path), JSON by default; a missing or unreadable file ends in one line naming it."""
-    try:
-        return reader(path)
-    except FileNotFoundError:
-        raise DFlashError(f"{what}: {path} not found") from None
-    except Exception as err:   # JSON, safetensors and OS errors alike
-        raise DFlashError(f"{what}: {path} is unreadable ({err})") from None
-
-
-# Checkpoints a same-position DFlash reader would load wrong, silently: each is refused, naming why (spec §6).
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-UNSUPPORTED_KEYS = {   # key: (values that change nothing, what the drafter would need to honour any other)
-    "use_swa": ((False,), "a window of swa_window_size keys on every layer"),
-    "partial_rotary_factor": ((1, 1.0), "RoPE on part of each head"),
-    "attention_value_scale": ((1, 1.0), "a scale on the attention values"),
-    "attention_sink_bias": ((False,), "attention sink biases"),
-    "attention_bias": ((False,), "biases on q/k/v/o"),
-    "rope_scaling": ((), "scaled RoPE"),
-}
-MODEL_TYPE_DEFAULTS = {   # transformers config classes that add semantics a file need not list
-    "gpt_oss": "alternating sliding layers (window 128) and YaRN RoPE",
-}
-
-
-def config_value(raw: dict, name: str):
-    """A drafter config key from `dflash_config` first, then the top level (spec §6); a null in
-    `dflash_config` falls through to the top level. None if neither has it."""
-    value = (raw.get("dflash_config") or {}).get(name)
-    return raw.get(name) if value is None else value
-
-
-def refuse_unsupported(raw: dict, nested: dict):
-    """Refuse config keys that change the math this drafter implements, rather than ignore them."""
-    architectures = raw.get("architectures") or []
-    dflash2 = [k for k in DFLASH2_KEYS if k in nested]
-    what = f"architectures {architectures}" if "DFlash2DraftModel" in architectures else f"dflash_config {dflash2}"
-    require("DFlash2DraftModel" not in architectures and not dflash2, f"draft config: a DFlash2 checkpoint ({what}) "
-            "is not supported yet: its convolution and selector weights have no place in a DFlash drafter")
-    known = all(a == "DFlashDraftModel" or "Laguna" in a for a in architectures)
-    require(bool(architectures) and known, f"draft config: 'architectures' = {architectures} is not a DFlash "
-            "drafter (DFlashDraftModel, or a Laguna DFlash drafter); refusing to guess its layout")
-    for name in ("sample_from_anchor", "shift_label"):
-        value = config_value(raw, name)
-        require(not value, f"draft config: '{name}' = {json.dumps(value)}: an anchor-first drafter (block row j "
-                "predicts position j+1) is not supported; read as same-position, every draft would land one "
-                "position early")
-    found = {k: config_value(raw, k) for k in UNSUPPORTED_KEYS}
-    found = {k: v for k, v in found.items() if v is not None and v not in UNSUPPORTED_KEYS[k][0]}
-    needs = [UNSUPPORTED_KEYS[k][1] for k in found]
-    if raw.get("model_type") in MODEL_TYPE_DEFAULTS:
-        found = {"model_type": raw["model_type"]} | found
-        needs.insert(0, f"the {raw['model_type']} config class adds {MODEL_TYPE_DEFAULTS[raw['model_type']]}, "
-                        "which this file does not list")
-    require(not found, "draft config: " + ", ".join(f"'{k}' = {json.dumps(v)}" for k, v in found.items()) +
-            " not supported (" + "; ".join(dict.fromkeys(needs)) + ")")
-    act = config_value(raw, "hidden_act") or "silu"
-    require(act == "silu", f"draft config: 'hidden_act' = {act!r} is not supported (SwiGLU with silu)")
-
-
-def config_block_size(raw: dict) -> int:
-    """B, from dflash_config first, then the top level: the bonus and B-1 drafts."""
-    value = config_value(raw, "block_size")
-    require(value is not None, "draft config: 'block_size' is missing")
-    require(isinstance(value, int) and value >= 2, f"draft config: 'block_size' = {value!r} must be an integer "
-            "of at least 2 (the bonus and one draft)")
-    return value
-
-
-def resolve_causal(raw: dict, nested: dict, sliding: list[bool]) -> list[bool]:
-    """In-block causality per layer, read as vLLM reads it: the top-level is_causal, dflash_config.is_causal,
-    dflash_config.causal, then layer_types (sliding = causal)."""
-    override = next((v for v in (raw.get("is_causal"), nested.get("is_causal"), nested.get("causal"))
-                     if v is not None), None)
-    return list(sliding) if override is None else [bool(override)] * len(sliding)
-
-
-def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) -> DraftConfig:
-    """Resolve config.json, each key from `dflash_config` first, then the top level; n = fc_in_features / H."""
-    nested, required = raw.get("dflash_config") or {}, object()
-    def key(name, default=required):
-        value = config_value(raw, name)
-        require(value is not None or default is not required, f"draft config: '{name}' is missing")
-        return default if value is None else value
-
-    refuse_unsupported(raw, nested)
-    H, L, heads = int(key("hidden_size")), int(key("num_hidden_layers")), int(key("num_attention_heads"))
-    for per_layer in ("num_attention_heads_per_layer", "num_key_value_heads_per_layer"):
-        counts = key(per_layer, None)
-        require(counts is None or len(set(counts)) <= 1, f"draft config: '{per_layer}' = {counts} differ per "
-                "layer; a DFlash drafter needs one head count for every layer")
-    laguna = any("Laguna" in arch for arch in raw.get("architectures") or [])   # spec §6: no new flag
-    gating = key("gating", None)
-    require(not laguna or gating in (True, "per-head"), f"draft config: 'gating' = {gating!r} is unsupported "
-            "(a Laguna drafter needs true or \"per-head\")")
-    layer_types = key("layer_types", None)
-    require(layer_types is not None or not key("use_sliding_window", False), "draft config: 'use_sliding_window'"
-            " = true without 'layer_types': which layers slide is not listed")
-    layer_types = layer_types or ["full_attention"] * L
-    require(len(layer_types) == L and set(layer_types) <= {"full_attention", "sliding_attention"},
-            f"draft config: 'layer_types' = {layer_types} must list {L} of full_attention/sliding_attention")
-    sliding, window = [t == "sliding_attention" for t in layer_types], key("sliding_window", None)
-    require(window is None or (type(window) is int and window >= 1),
-            f"draft config: 'sliding_window' = {window!r} must be a positive integer (keys a query sees)")
-    require(window is not None or not any(sliding), f"draft config: 'layer_types' has sliding_attention at "
-            f"layers {[l for l, s in enumerate(sliding) if s]} but 'sliding_window' is missing")
-    rope, thetas = key("rope_parameters", None), []
-    for layer_type in layer_types:   # no silent default: a missing base would quietly give wrong positions
-        p = rope.get(layer_type, rope) if isinstance(rope, dict) else {}   # flat, or keyed by layer type
-        thetas.append(p.get("rope_theta", key("rope_theta", None)))
-        require(thetas[-1] is not None, "draft config: 'rope_theta' is missing (in rope_parameters, dflash_config "
-                "and the top level)")
-        require(p.get("rope_type", "default") == "default" and p.get("partial_rotary_factor", 1.0) == 1.0,
-                f"draft config: 'rope_parameters' = {p} is unsupported (only full default RoPE)")
-
-    T = key("num_target_layers", None)
-    require(T is None or int(T) == num_target_layers,
-            f"draft config: 'num_target_layers' = {T} but the target has {num_target_layers} layers")
-    layer_ids = key("target_layer_ids", None)
-    layer_ids = list(default_layer_ids(num_target_layers, fc_in_features // H) if layer_ids is None else layer_ids)
-    require(len(layer_ids) * H == fc_in_features, f"draft weights: fc.weight input width {fc_in_features} != "
-            f"n·H = {len(layer_ids)}·{H} for target_layer_ids {layer_ids}")
-    require(all(0 <= i < num_target_layers for i in layer_ids), f"draft config: 'target_layer_ids' = "
-            f"{layer_ids} out of range for a target with {num_target_layers} layers")
-    require(layer_ids == sorted(set(layer_ids)),
-            f"draft config: 'target_layer_ids' = {layer_ids} must be sorted and unique")
-    head_dim = int(key("head_dim", None) or H // heads)
-    v_head_dim = key("v_head_dim", head_dim)
-    require(v_head_dim == head_dim, f"draft config: 'v_head_dim' = {v_head_dim} != head_dim {head_dim} is "
-            "not supported")
-    return DraftConfig(
-        hidden_size=H, intermediate_size=int(key("intermediate_size")), num_layers=L, num_heads=heads,
-        num_kv_heads=int(key("num_key_value_heads")), head_dim=head_dim,
-        rms_norm_eps=float(key("rms_norm_eps")), block_size=config_block_size(raw),
-        mask_token_id=int(key("mask_token_id")), target_layer_ids=[int(i) for i in layer_ids],
-        rope_thetas=[float(t) for t in thetas], causal=resolve_causal(raw, nested, sliding),
-        windows=[window if s else None for s in sliding], gated=laguna, capture_norms=laguna,
-        norm_context=laguna, checkpoint_format="laguna" if laguna else "zlab")
-
-
-def checkpoint_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
-    """The drafter's tensors under its checkpoint format's names: a z-lab file keeps q/k/v_proj apart."""
-    tensors = dict(drafter.named_parameters())   # the shared Laguna context norm once, as input_layernorm
-    for l, layer in enumerate(drafter.layers if drafter.config.checkpoint_format == "zlab" else []):
-        prefix, rows = f"layers.{l}.self_attn.", layer.self_attn.kv_rows
-        q, k, v = tensors.pop(prefix + "qkv_proj.weight").split([rows.start] + [(rows.stop - rows.start) // 2] * 2)
-        tensors |= {prefix + "q_proj.weight": q, prefix + "k_proj.weight": k, prefix + "v_proj.weight": v}
-    return tensors
-
-
-def looks_like_repo_id(path: str) -> bool:
-    """`name` or `owner/name` as the hub spells them; anything else can only be a local path."""
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", path) is not None and ".." not in path
-
-
-def checkpoint_dir(path: str, flag: str) -> Path:
-    """A local checkpoint dir, or a hub id fetched into the hub's cache."""
-    if Path(path).is_dir():
-        return Path(path)
-    require(looks_like_repo_id(path), f"{flag} '{path}': no such directory")
-    try:
-        return Path(huggingface_hub.snapshot_download(path))
-    except Exception as err:   # any hub failure becomes one line naming the path
-        raise DFlashError(f"{flag} '{path}': not a local directory, and the hub could not provide it "
-                          f"({type(err).__name__})") from None
-
-
-def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) -> Drafter:
-    """Load a drafter checkpoint (any of the three formats of spec §6): a local dir, or a hub id fetched."""
-    directory = checkpoint_dir(path, "--draft")
-    raw = read_file(directory / "config.json", "draft config")
-    files, index = ["model.safetensors"], directory / "model.safetensors.index.json"
-    if index.exists():   # a sharded checkpoint
-        files = sorted(set((read_file(index, "draft weights index").get("weight_map") or {}).values()))
-        require(bool(files), f"draft weights: {index} has an empty 'weight_map'")
-    tensors = {k: t for name in files for k, t in read_file(directory / name, "draft weights",
-                                                             safetensors.torch.load_file).items()}
-    extras = sorted(p.name for p in directory.iterdir() if p.stem in ("mask_embedding", "d2t", "t2d"))
-    extras += sorted(k for k in tensors if k.split(".")[-1] in ("mask_embedding", "d2t", "t2d"))
-    require(not extras, f"draft weights: {extras} in {directory} not supported: a learned mask embedding would "
-            "be replaced by the target's embedding row, a draft-vocabulary map would be ignored")
-    require("fc.weight" in tensors, f"draft weights: tensor 'fc.weight' is missing in {directory}")
-    tcfg, rows = target.config.get_text_config(), target.get_input_embeddings().weight.shape[0]
-    cfg = load_draft_config(raw, tcfg.num_hidden_layers, tensors["fc.weight"].shape[1])
-    require(cfg.hidden_size == tcfg.hidden_size,
-            f"draft config: 'hidden_size' = {cfg.hidden_size} but the target's is {tcfg.hidden_size}")
-    for name, want in (("target_hidden_size", tcfg.hidden_size), ("draft_vocab_size", rows)):
-        value = config_value(raw, name)
-        require(value in (None, want), f"draft config: '{name}' = {value} but the target's is {want}")
-    require(0 <= cfg.mask_token_id < rows, f"draft config: 'mask_token_id' = {cfg.mask_token_id} is outside "
-            f"the target's {rows} embedding rows")
-
-    drafter = Drafter(cfg)
-    expected = checkpoint_tensors(drafter)
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    require(not missing, f"draft weights: {len(missing)} tensors missing, e.g. {missing[:3]}" +
-            (f"; {len(unexpected)} unexpected, e.g. {unexpected[:3]} (renamed?)" if unexpected else ""))
-    require(not unexpected, f"draft weights: {len(unexpected)} unexpected tensors, e.g. {unexpected[:3]}")
-    for name, tensor in tensors.items():
-        require(tensor.shape == expected[name].shape, f"draft weights: '{name}' has shape "
-                f"{tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}")
-        bad = int((~torch.isfinite(tensor)).sum())
-        require(bad == 0, f"draft weights: '{name}' has {bad} NaN or Inf values")
-    for l in range(cfg.num_layers if cfg.checkpoint_format == "zlab" else 0):   # stack q/k/v into qkv_proj
-        prefix = f"layers.{l}.self_attn."
-        tensors[prefix + "qkv_proj.weight"] = torch.cat([tensors.pop(prefix + f"{x}_proj.weight") for x in "qkv"])
-    drafter.load_state_dict(tensors, strict=False)   # every name checked above; Laguna's context norm is shared
-    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def from_target(path: str, load):
-    """load(path) for --target, a local dir or a hub id: a missing dir or a failed load ends in one line."""
-    require(Path(path).is_dir() or looks_like_repo_id(path), f"--target '{path}': no such directory")
-    try:
-        return load(path)
-    except DFlashError:
-        raise
-    except Exception as err:   # OS, JSON and safetensors errors, and configs transformers cannot build
-        first = (str(err).splitlines() or [""])[0][:200]
-        raise DFlashError(f"--target '{path}': cannot load ({type(err).__name__}: {first})") from None
-
-
-ROLLBACK_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}   # state is K/V by position
-
-
-def check_target(tcfg):
-    """Refuse a target whose layers keep a state that a rejected draft cannot be taken back from: a
-    rejected block is rolled back by moving the K/V length, which a recurrent layer's state does not
-    have (spec §4: the target's cache must be cropped to the accepted length)."""
-    kinds = {t for t in getattr(tcfg, "layer_types", None) or [] if t not in ROLLBACK_LAYER_TYPES}
-    require(not kinds, f"target: layer_types has {sorted(kinds)} layers (a hybrid model, e.g. Qwen3-Next or "
-            "Qwen3.5): their recurrent state would advance over rejected drafts, and only K/V caches are rolled "
-            "back here; not supported")
-
-
-def load_target(path: str, dtype: torch.dtype, device: str):
-    check_target(target_config(path))
-    # MoE experts default to torch._grouped_mm, which rejects float64 on CPU: loop over experts there
-    experts = "eager" if device == "cpu" else None
-    target, info = from_target(path, lambda p: AutoModelForCausalLM.from_pretrained(
-        p, dtype=dtype, experts_implementation=experts, output_loading_info=True))
-    missing = sorted(info["missing_keys"])   # transformers fills these with random values and only warns
-    require(not missing, f"--target '{path}': {len(missing)} weights missing from its checkpoint (e.g. "
-            f"{missing[:3]}); they would be random")
-    return target.to(device).eval()
-
-
-def target_config(path: str):
-    """The target's config alone, read before its weights so that a request can be checked first."""
-    return from_target(path, transformers.AutoConfig.from_pretrained).get_text_config()
-
-
-def decoder_layers(target: nn.Module) -> nn.ModuleList:
-    """The target's decoder stack: the ModuleList with one entry per hidden layer."""
-    num_layers = target.config.get_text_config().num_hidden_layers
-    layers = next((m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers), None)
-    require(layers is not None, f"target: no decoder stack of {num_layers} layers found")
-    return layers
-
-
-# The target's SDPA kernels, cuDNN's left out: it plans every new sequence length on the host, about 1.5 ms
-# per layer with a mask on an H200, and decoding changes the length every round.
-TARGET_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-@functools.cache
-def cache_kwarg(model_class) -> str:
-    """The keyword a model's forward takes its cache by, looked up once per class (5.2x renamed it)."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-# -----------------------------------------------------------------------------
-# CLI
-# On CPU a wide verify costs well over a 1-row step, and only the drafts to verify go through the LM head,
-# so fewer drafts cost less. The default pair drafts fastest at K = 6 and 3 (39.5 and 40.2 tokens/s, against
-# 36.9 at K = 7, 31.3 at K = 15 and 29.5 for the target alone); K = 6 keeps the higher τ (3.17 against 2.70).
-# So the CLI drafts at most this many there unless --num-drafts says otherwise (README, "How well it drafts").
-CPU_NUM_DRAFTS = 6
-
-
-def default_num_drafts(block_size: int, device: str) -> int:
-    """K when none is asked for: block_size - 1, or at most CPU_NUM_DRAFTS on CPU."""
-    return min(CPU_NUM_DRAFTS, block_size - 1) if torch.device(device).type == "cpu" else block_size - 1
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
-    """The CLIs' defaults: cuda if available, else cpu; bfloat16 on CUDA, float32 elsewhere."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        raise DFlashError(f"--device = {device!r} is not a device torch knows (cpu, cuda, cuda:N, ...)") from None
-    require(kind != "cuda" or torch.cuda.is_available(), f"--device = {device!r}: CUDA is not available here")
-    return device, DTYPES[dtype] if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="DFlash speculative decoding (lossless: greedy or sampled).")
-    p.add_argument("--target", help="target model: local dir or hub id (default: the SmolLM2 pair shipped here)")
-    p.add_argument("--draft", help="DFlash drafter checkpoint: local dir or hub id")
-    p.add_argument("--prompt", default="Write a short poem about the sea.", help="prompt text")
-    p.add_argument("--prompt-ids", help="comma-separated token ids, instead of --prompt")
-    p.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
-    p.add_argument("--num-drafts", type=int, help=f"drafts K per step (default block_size - 1; on CPU at most "
-                   f"{CPU_NUM_DRAFTS}, where a wider verify costs more than it gains)")
-    p.add_argument("--compute-width", choices=["block", "drafts"], default="block", help="drafter rows: B or K+1")
-    p.add_argument("--target-only", action="store_true", help="decode with the target alone, same loop")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples, losslessly")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 keeps all")
-    p.add_argument("--seed", type=int, help="seed of the sampling uniforms, for reproducible runs")
-    p.add_argument("--dtype", choices=list(DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--device", help="default cuda if available, else cpu")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of text and stats")
-    return p.parse_args(argv)
-
-
-def main(argv=None, generate_fn=None):
-    """The CLI; `generate_fn` swaps in another implementation with generate's signature. Every request check
-    that needs only the configs runs before the weights load; Ctrl-C prints the stats so far, exit code 130."""
-    args = parse_args(argv)
-    transformers.utils.logging.disable_progress_bar()
-    device, dtype = device_and_dtype(args.device, args.dtype)
-    sampling = Sampling(args.temperature, args.top_p, args.top_k)
-    require_seed(args.seed)
-    require(args.draft is None or args.target is not None, f"--draft = {args.draft!r} needs --target")
-    require(args.target is None or args.draft is not None or args.target_only,
-            f"--target = {args.target!r} needs --draft (or --target-only)")
-    ids = None if args.prompt_ids is None else [t.strip() for t in args.prompt_ids.split(",") if t.strip()]
-    require(all(t.lstrip("-").isdigit() for t in ids or []),
-            f"--prompt-ids = {args.prompt_ids!r} must be comma-separated integers")
-    target_path, draft_path = (args.target, args.draft) if args.target else offline.default_pair()
-    if args.target is None:
-        print(f"default pair: SmolLM2-135M-Instruct ({target_path}) with {draft_path}", file=sys.stderr)
-    tcfg = target_config(str(target_path))
-    draft_dir = None if args.target_only else checkpoint_dir(str(draft_path), "--draft")
-    block_size = None if args.target_only else config_block_size(read_file(draft_dir / "config.json", "draft config"))
-    tokenizer = offline.load_tokenizer(str(target_path))
-    require(ids is not None or tokenizer is not None, f"--target '{target_path}' has no tokenizer: pass --prompt-ids")
-    prompt_ids = [int(t) for t in ids] if ids is not None else offline.encode_prompt(tokenizer, args.prompt,
-                                                                                      not args.no_chat)
-    K = 0 if block_size is None else args.num_drafts if args.num_drafts is not None else \
-        default_num_drafts(block_size, device)
-    check_request(prompt_ids, args.max_new_tokens, K, vocab_rows=tcfg.vocab_size,
-                  max_positions=tcfg.max_position_embeddings, block_size=block_size)
-
-    target = load_target(str(target_path), dtype, device)
-    drafter = None if args.target_only else load_drafter(str(draft_dir), target, dtype, device)
-    t0, generate_fn = time.perf_counter(), generate_fn or generate
-    printer = None if args.json else offline.printer(tokenizer)
-    try:
-        gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=K or None,
-                          full_block=args.compute_width == "block", stop_ids=offline.stop_token_ids(target, tokenizer),
-                          on_tokens=printer, sampling=sampling, seed=args.seed)
-    except Interrupted as stop:
-        gen = stop.generation
-        if printer is not None:   # tokens committed after the last print
-            printer(gen.tokens[len(printer.seen):])
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    if args.json:
-        text = tokenizer.decode(gen.tokens, skip_special_tokens=True) if tokenizer is not None else None
-        print(json.dumps({"tokens": gen.tokens, "text": text, "acceptance_lengths": gen.acceptance_lengths,
-                          "tau": gen.tau, "rounds": gen.rounds, "interrupted": gen.interrupted}))
-    else:
-        print("\n" + offline.stats_table(gen, seconds))
-    if gen.interrupted:
-        raise SystemExit(130)
-
-
-def run_cli(main_fn, **kwargs):
-    """Run a CLI entry point: bad input ends with one line on stderr and exit code 2, no traceback;
-    Ctrl-C outside a generation (which prints its own partial result) ends with one line and 130."""
-    try:
-        main_fn(**kwargs)
-    except (DFlashError, offline.PackageError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
-
-
-if __name__ == "__main__":
-    run_cli(main)
+if __name__ == "__main__":   # the demo: the command line lives in cli.py
+    import cli
+    cli.run(cli.main)

@@ -1,6 +1,6 @@
 """Measure a DFlash drafter: τ, acceptance per draft position, speedup over the target alone
 (tokens/s against tokens/s, each timed by the wall clock), and losslessness on every prompt, on
-MT-Bench and HumanEval (offline.py reads them from their PyPI packages). Both runs of each prompt go through the same implementation: dflash.py's
+MT-Bench and HumanEval (packages.py reads them from their PyPI packages). Both runs of each prompt go through the same implementation: dflash.py's
 generate, or two held fastpath Decoders (the target alone, and DFlash).
 
     $ python evaluation.py --target DIR --draft drafter/SmolLM2-135M-Instruct-DFlash-b16 --impl fastpath --out eval
@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
+import checkpoint
+import cli
 import dflash
 import fastpath
-import offline
-import train
+import files
+import packages
 from dflash import DFlashError, Drafter
 
 
@@ -183,23 +185,23 @@ def fastpath_generate(stack: ExitStack, target, drafter, capacity: int, K: int, 
 def main(argv=None):
     args = parse_args(argv)
     dflash.require(args.limit is None or args.limit >= 1, f"--limit = {args.limit} must be at least 1")
-    dflash.require_seed(args.seed)
+    cli.require_seed(args.seed)
     dflash.require(args.max_new_tokens >= 1, f"--max-new-tokens = {args.max_new_tokens} must be at least 1")
     out = Path(args.out)
     dflash.require(not out.exists() or out.is_dir(), f"--out {out} is a file; give a directory for eval.json")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    device, dtype = dflash.device_and_dtype(args.device, args.dtype)
+    device, dtype = cli.device_and_dtype(args.device, args.dtype)
     sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
-    target, tokenizer = train.load_target_and_tokenizer(args.target, dtype, device)
-    drafter = dflash.load_drafter(args.draft, target, dtype, device)
+    target, tokenizer = cli.load_target_and_tokenizer(args.target, dtype, device)
+    drafter = checkpoint.load_drafter(args.draft, target, dtype, device)
     K = args.num_drafts if args.num_drafts is not None else \
-        dflash.default_num_drafts(drafter.config.block_size, device)
+        cli.default_num_drafts(drafter.config.block_size, device)
     # the request's limits checked once, before the data sets load (each prompt's length is checked as it runs)
     dflash.check_request([0], args.max_new_tokens, K, **dflash.request_limits(target, drafter))
-    stops = offline.stop_token_ids(target, tokenizer)
-    prompts = {name: [train.encode_chat(tokenizer, text) for text in offline.EVAL_DATASETS[name]()[:args.limit]]
+    stops = cli.stop_token_ids(target, tokenizer)
+    prompts = {name: [cli.encode_chat(tokenizer, text) for text in packages.EVAL_DATASETS[name]()[:args.limit]]
                for name in args.datasets}
     out.mkdir(parents=True, exist_ok=True)
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
@@ -227,7 +229,7 @@ def main(argv=None):
                   f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), {verdict}",
                   file=sys.stderr)
             # after each dataset, and in one step: a cut run keeps the datasets before
-            offline.replace_file(out / "eval.json", lambda p: p.write_text(json.dumps(report, indent=1)))
+            files.replace_file(out / "eval.json", lambda p: p.write_text(json.dumps(report, indent=1)))
     plotted = plot_eval(report["datasets"], out / "eval.png")
     print(f"-> {out / 'eval.json'}" + (f", {out / 'eval.png'}" if plotted else " (no matplotlib: no plot)"),
           file=sys.stderr)
@@ -238,21 +240,21 @@ def parse_args(argv=None):
                                             "drafter on MT-Bench and HumanEval.")
     p.add_argument("--target", required=True, help="target HF dir")
     p.add_argument("--draft", required=True, help="drafter checkpoint dir")
-    p.add_argument("--datasets", nargs="+", choices=list(offline.EVAL_DATASETS), default=list(offline.EVAL_DATASETS))
+    p.add_argument("--datasets", nargs="+", choices=list(packages.EVAL_DATASETS), default=list(packages.EVAL_DATASETS))
     p.add_argument("--limit", type=int, help="first N prompts of each dataset")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--impl", default="dflash", choices=["dflash", "fastpath"], help="implementation that decodes")
     p.add_argument("--num-drafts", type=int, help="drafts K per round (default block_size - 1; on CPU at most "
-                   f"{dflash.CPU_NUM_DRAFTS}, as the CLI)")
+                   f"{cli.CPU_NUM_DRAFTS}, as the CLI)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (both runs of a prompt)")
     p.add_argument("--out", required=True, help="dir for eval.json and eval.png")
     p.add_argument("--device", help="default cuda if available, else cpu")
-    p.add_argument("--dtype", choices=list(dflash.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", choices=list(cli.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    dflash.run_cli(main)
+    cli.run(main)

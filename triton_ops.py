@@ -1,0 +1,343 @@
+"""The Triton kernels, each beside the plain-torch function it must equal.
+
+Each section holds one computation twice: the plain-torch function, which runs on CPU, in float64 and
+wherever Triton is missing, and is what the tests hold the kernel to; and its Triton kernel, which the
+plain function dispatches to on CUDA. The kernels change where values live and how they are fused,
+never the math: fp32 inside, results rounded to the working dtype as the plain functions round them.
+
+  - `heads_into_place`: a dense target layer's [q; k; v] rows into rotated q and its K/V slots
+    (fastpath's `DenseTarget`, distill's `BatchDecoder`);
+  - `attend_upto`: attention by buffer slot, each query seeing one range of slots (fastpath, BatchDecoder);
+  - `head_chunk_grad`: the cross-entropy through the frozen LM head and its gradient, a chunk of rows at a
+    time (train.py).
+
+Shapes: Bt sequences, N rows, h/hk query/key heads, d head_dim, C or S buffer slots, V vocab.
+"""
+import torch
+
+try:   # CUDA builds of torch ship Triton; without it (CPU installs) every function runs its plain-torch twin
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+# -----------------------------------------------------------------------------
+# A target layer's heads: [q; k; v] rows -> rotated q, K/V written at their slots
+
+def heads_into_place(attn, apply_rotary, qkv_rows, keys, values, cos, sin, slots):
+    """A layer's [q; k; v] projection rows (Bt, N, (h+2·hk)·d) into heads: q and k normalised per head
+    (Qwen3's q_norm/k_norm) and rotated (`apply_rotary`, cos/sin (Bt, N, d)), k and v written into
+    keys/values (Bt, hk, C, d) at each row's slots (Bt, N) -> q (Bt, N, h, d). On CUDA one Triton kernel
+    (`triton_heads_into_place`, the rotation as Llama/Qwen3 have it), where the compiled twin below
+    is three (on the H200, SmolLM2-135M's shapes); elsewhere, and for float64, the twin: the model's own modules."""
+    if qkv_rows.is_cuda and triton is not None and qkv_rows.dtype != torch.float64:
+        return triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots)
+    (Bt, N, _), hk, d = qkv_rows.shape, keys.shape[1], keys.shape[3]
+    q, k, v = qkv_rows.split([qkv_rows.shape[-1] - 2 * hk * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(Bt, N, -1, d), k.view(Bt, N, hk, d), v.view(Bt, N, hk, d)
+    if hasattr(attn, "q_norm"):   # Qwen3 normalises q and k per head before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=2)                                # cos, sin as (Bt, N, 1, d)
+    rows = torch.arange(Bt, device=qkv_rows.device)[:, None]                           # (Bt, 1)
+    keys[rows, :, slots] = k                                                            # (Bt, N, hk, d) into (Bt, hk, C, d)
+    values[rows, :, slots] = v
+    return q                                                                            # (Bt, N, h, d)
+
+
+if triton is not None:
+    @triton.jit
+    def _heads_into_place(QKV, Cos, Sin, Slots, QNormW, KNormW, Q, K, V, N, sxr, scr, ssb, ssn,
+                          skb, skh, sks, svb, svh, svs, eps, HQ: tl.constexpr, HK: tl.constexpr,
+                          D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+        """One (projection row r = b·N + n, head of [q; k; v]): v stored at the row's slot as it is; q and
+        k normalised (NORM: weight · (x/rms(x)) rounded as Qwen3RMSNorm rounds) and rotated,
+        x·cos + rotate_half(x)·sin in fp32 rounded once (as inductor fuses it), into q or the keys."""
+        r, head = tl.program_id(0), tl.program_id(1)
+        b, n = r // N, r % N
+        lo = tl.arange(0, HALF)                                                         # a half head: rotate_half's halves
+        ok, hi = lo < D // 2, lo + D // 2
+        src = QKV + r * sxr + head * D
+        slot = tl.load(Slots + b * ssb + n * ssn)
+        if head >= HQ + HK:
+            dst = V + b * svb + (head - HQ - HK) * svh + slot * svs
+            tl.store(dst + lo, tl.load(src + lo, mask=ok), mask=ok)
+            tl.store(dst + hi, tl.load(src + hi, mask=ok), mask=ok)
+        else:
+            dtype = Q.dtype.element_ty
+            x_lo = tl.load(src + lo, mask=ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(src + hi, mask=ok, other=0.0).to(tl.float32)
+            if NORM:
+                rstd = 1.0 / tl.sqrt((tl.sum(x_lo * x_lo, 0) + tl.sum(x_hi * x_hi, 0)) / D + eps)
+                W = QNormW if head < HQ else KNormW
+                w_lo = tl.load(W + lo, mask=ok, other=0.0).to(tl.float32)
+                w_hi = tl.load(W + hi, mask=ok, other=0.0).to(tl.float32)
+                x_lo = (w_lo * (x_lo * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                x_hi = (w_hi * (x_hi * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            c_lo = tl.load(Cos + r * scr + lo, mask=ok, other=0.0).to(tl.float32)
+            c_hi = tl.load(Cos + r * scr + hi, mask=ok, other=0.0).to(tl.float32)
+            s_lo = tl.load(Sin + r * scr + lo, mask=ok, other=0.0).to(tl.float32)
+            s_hi = tl.load(Sin + r * scr + hi, mask=ok, other=0.0).to(tl.float32)
+            out_lo, out_hi = (x_lo * c_lo - x_hi * s_lo).to(dtype), (x_hi * c_hi + x_lo * s_hi).to(dtype)
+            if head < HQ:
+                dst = Q + r * (HQ * D) + head * D
+            else:
+                dst = K + b * skb + (head - HQ) * skh + slot * sks
+            tl.store(dst + lo, out_lo, mask=ok)
+            tl.store(dst + hi, out_hi, mask=ok)
+
+
+def triton_heads_into_place(attn, qkv_rows, keys, values, cos, sin, slots):
+    """`heads_into_place` as one Triton kernel, a program per (row, head): nothing between the [q; k; v]
+    matmul and attention is written but q and the K/V slots. The kernel addresses K/V with unit stride
+    along head_dim and the tables by row; tables shared by the rows are broadcast here."""
+    (Bt, N, width), hk, d = qkv_rows.shape, keys.shape[1], keys.shape[3]
+    h = width // d - 2 * hk
+    if d % 2 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError(f"triton_heads_into_place: head_dim {d} must be even (RoPE's halves), and keys/values "
+                         f"contiguous along it (strides {keys.stride(-1)}, {values.stride(-1)})")
+    cos, sin = (t.expand(Bt, N, d) for t in (cos, sin))                                 # (Bt, N, d)
+    qkv_rows, cos, sin = (t if t.is_contiguous() else t.contiguous() for t in (qkv_rows, cos, sin))
+    q = torch.empty(Bt, N, h, d, dtype=qkv_rows.dtype, device=qkv_rows.device)       # (Bt, N, h, d)
+    norm = hasattr(attn, "q_norm")
+    q_weight, k_weight = (attn.q_norm.weight, attn.k_norm.weight) if norm else (q, q)   # unread without norms
+    _heads_into_place[(Bt * N, h + 2 * hk)](
+        qkv_rows, cos, sin, slots, q_weight, k_weight, q, keys, values, N, width, d, slots.stride(0),
+        slots.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
+        values.stride(2), attn.q_norm.variance_epsilon if norm else 0.0, HQ=h, HK=hk, D=d,
+        HALF=triton.next_power_of_2(d // 2), NORM=norm, num_warps=1)
+    return q
+
+
+# -----------------------------------------------------------------------------
+# Attention by buffer slot: each query sees one range of slots of its row
+
+def attend(q, keys, values, mask, scale: float):
+    """Masked softmax attention of q (*, N, h, d) over keys/values (*, hk, S, d), mask (*, N, S) -> (*, N, h·d),
+    for any leading batch dims *. The g query heads of each K/V head are stacked as rows, so K/V are read
+    once and never repeated. Scores in the working dtype, softmax in at least fp32: as transformers' eager
+    attention below fp32, in float64 for float64 (as SDPA, which dflash.py calls). Compiled, this is two
+    batched matmuls and a fused masked softmax, for any S."""
+    *batch, N, h, d = q.shape
+    hk, S = keys.shape[-3], keys.shape[-2]
+    g = h // hk
+    q = q.reshape(*batch, N, hk, g, d).movedim(-4, -2).reshape(*batch, hk, g * N, d)    # (*, hk, g·N, d)
+    scores = (q @ keys.transpose(-1, -2)) * scale                                       # (*, hk, g·N, S)
+    scores = scores.view(*batch, hk, g, N, S).masked_fill(~mask[..., None, None, :, :], float("-inf"))
+    p = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(values.dtype)
+    p = p.view(*batch, hk, g * N, S)                                                    # (*, hk, g·N, S)
+    o = p @ values                                                                      # (*, hk, g·N, d)
+    return o.view(*batch, hk, g, N, d).movedim(-2, -4).reshape(*batch, N, h * d)        # (*, N, h·d)
+
+
+def attend_upto(q, keys, values, last, scale: float, first=None):
+    """Attention by buffer slot: q (Bt, N, h, d), the query at [b, n] seeing row b's key slots
+    first[b, n]..last[b, n] (from 0 without `first`), of keys/values (Bt, hk, S, d) -> (Bt, N, h·d).
+    On CUDA a Triton kernel that reads each row's K/V only from its queries' first slot to their last
+    (`triton_attend_upto`), where a mask reads all S slots of every row, and writes (Bt, N, h·d) as
+    o_proj takes it; elsewhere, and for float64, its plain-torch twin: `attend` under the mask."""
+    if q.is_cuda and triton is not None and q.dtype != torch.float64:
+        return triton_attend_upto(q, keys, values, last, scale, first)
+    slots = torch.arange(keys.shape[-2], device=q.device)                              # (S,)
+    mask = slots <= last[..., None]                                                     # (Bt, N, S)
+    if first is not None:
+        mask &= slots >= first[..., None]
+    return attend(q, keys, values, mask, scale)
+
+
+PROGRAMS = 512   # split K/V spans until about this many programs run (an H200 has 132 SMs),
+MAX_SPANS = 4    # into at most this many: at batch 1 on the H200, 4 spans beat 1 and 16 at both bench shapes
+
+if triton is not None:
+    @triton.jit
+    def _attend_upto_split(Q, K, V, First, Last, Opart, Mpart, Lpart, Out, sqb, sqn, sqh, skb, skh, sks, svb, svh,
+                           svs, slb, sln, sfb, sfn, sob, son, soh, N, S, d, split_len, scale, HK: tl.constexpr,
+                           G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           IEEE: tl.constexpr, ONE_SPAN: tl.constexpr, HAS_FIRST: tl.constexpr):
+        """One (row b, K/V head, block of query rows, span of slots): the unnormalised softmax·V of its
+        queries over the slots of its span from each query's first (HAS_FIRST; else 0) to its last,
+        with their running max and sum;
+        with ONE_SPAN (a span is all slots) the normalised softmax·V, into Out, and no merge follows.
+        Query rows are n·G + j (query n, head j of the G sharing this K/V head), so K/V are read once."""
+        bh, mb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, kh, splits, M = bh // HK, bh % HK, tl.num_programs(2), N * G
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)                                     # (BM,)
+        n, j, row_ok = rows // G, rows % G, rows < M
+        dims = tl.arange(0, D)
+        dim_ok = dims < d
+        last = tl.load(Last + b * slb + n * sln, mask=row_ok, other=-1)                 # (BM,)
+        if HAS_FIRST:
+            first = tl.load(First + b * sfb + n * sfn, mask=row_ok, other=S)
+        else:
+            first = tl.zeros([BLOCK_M], tl.int64)
+        q = tl.load(Q + b * sqb + n[:, None] * sqn + (kh * G + j)[:, None] * sqh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)                  # (BM, D)
+        start = tl.maximum(split * split_len, tl.min(first, 0))                         # slots before every first: unread
+        end = tl.minimum(tl.minimum(split * split_len + split_len, S), tl.max(last, 0) + 1)   # past every last: unread
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for s0 in range(start, end, BLOCK_N):
+            slots = s0 + tl.arange(0, BLOCK_N)                                           # (BN,)
+            slot_ok = slots < end
+            k = tl.load(K + b * skb + kh * skh + slots[None, :] * sks + dims[:, None],
+                        mask=dim_ok[:, None] & slot_ok[None, :], other=0.0)             # (D, BN)
+            if IEEE:
+                scores = tl.dot(q, k, input_precision="ieee")
+            else:
+                scores = tl.dot(q, k)                                                     # (BM, BN) fp32
+            seen = (slots[None, :] <= last[:, None]) & (slots[None, :] >= first[:, None]) & slot_ok[None, :]
+            scores = tl.where(seen, (scores * scale).to(tl.float32), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: keep exp() at 0, not NaN
+            p = tl.exp(scores - m_use[:, None])
+            alpha = tl.exp(m_i - m_use)
+            v = tl.load(V + b * svb + kh * svh + slots[:, None] * svs + dims[None, :],
+                        mask=slot_ok[:, None] & dim_ok[None, :], other=0.0)             # (BN, D)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)                                             # (BM, D)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if ONE_SPAN:
+            tl.store(Out + b * sob + n[:, None] * son + (kh * G + j)[:, None] * soh + dims[None, :],
+                     (acc / tl.where(row_ok, l_i, 1.0)[:, None]).to(Out.dtype.element_ty),   # l_i >= 1 on a real row
+                     mask=row_ok[:, None] & dim_ok[None, :])
+        else:
+            part = (bh * splits + split) * M + rows                                      # into (Bt·hk, splits, M)
+            tl.store(Mpart + part, m_i, mask=row_ok)
+            tl.store(Lpart + part, l_i, mask=row_ok)
+            tl.store(Opart + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _attend_upto_combine(Opart, Mpart, Lpart, Out, sob, son, soh, N, d, SPLITS: tl.constexpr, HK: tl.constexpr,
+                             G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The spans of one (row, K/V head, block of query rows) merged: softmax·V, normalised. The loop
+        over spans is unrolled (SPLITS ≤ MAX_SPANS), so that every span's loads are in flight at once:
+        a loop over a run-time count waited for each span's loads in turn (12.3 µs for 16 spans)."""
+        bh, mb = tl.program_id(0), tl.program_id(1)
+        b, kh, M = bh // HK, bh % HK, N * G
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        n, j, row_ok = rows // G, rows % G, rows < M
+        dims = tl.arange(0, D)
+        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_all = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for split in tl.static_range(SPLITS):
+            part = (bh * SPLITS + split) * M + rows
+            m_s = tl.load(Mpart + part, mask=row_ok, other=float("-inf"))
+            l_s = tl.load(Lpart + part, mask=row_ok, other=0.0)
+            o_s = tl.load(Opart + part[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+            m_new = tl.maximum(m_all, m_s)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a_all, a_s = tl.exp(m_all - m_use), tl.exp(m_s - m_use)
+            l_all = l_all * a_all + l_s * a_s
+            acc = acc * a_all[:, None] + o_s * a_s[:, None]
+            m_all = m_new
+        out = acc / l_all[:, None]
+        tl.store(Out + b * sob + n[:, None] * son + (kh * G + j)[:, None] * soh + dims[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dims < d)[None, :])
+
+
+def triton_attend_upto(q, keys, values, last, scale: float, first=None):
+    """`attend_upto` as Triton kernels (split-K/V, then the merge of the spans): scores and softmax in
+    fp32 registers, never written out; p in the working dtype for p·V, as `attend` has it. Spans are
+    split only where rows × heads give too few programs (batch-1 decoding); one span needs no merge."""
+    Bt, N, h, d = q.shape
+    hk, S = keys.shape[1], keys.shape[2]
+    G, M = h // hk, N * h // hk
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:   # a whole buffer is not copied to fix it
+        raise ValueError(f"triton_attend_upto: keys/values must be contiguous along head_dim (strides "
+                         f"{keys.stride(-1)}, {values.stride(-1)})")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    BLOCK_M, BLOCK_N, D = (16 if M <= 16 else 64), 64, max(16, triton.next_power_of_2(d))
+    m_blocks = triton.cdiv(M, BLOCK_M)
+    splits = max(1, min(triton.cdiv(S, BLOCK_N), MAX_SPANS, PROGRAMS // (Bt * hk * m_blocks)))
+    split_len = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(S, split_len)
+    opart = torch.empty(Bt * hk, splits, M, D, dtype=torch.float32, device=q.device)    # (Bt·hk, splits, M, D)
+    mpart = torch.empty(Bt * hk, splits, M, dtype=torch.float32, device=q.device)
+    lpart = torch.empty_like(mpart)
+    out = torch.empty(Bt, N, h, d, dtype=q.dtype, device=q.device)                     # (Bt, N, h, d)
+    bounds = last if first is None else first                                           # First: unread without one
+    _attend_upto_split[(Bt * hk, m_blocks, splits)](
+        q, keys, values, bounds, last, opart, mpart, lpart, out, q.stride(0), q.stride(1), q.stride(2),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        last.stride(0), last.stride(1), bounds.stride(0), bounds.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        N, S, d, split_len, scale,
+        HK=hk, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, ONE_SPAN=splits == 1,
+        HAS_FIRST=first is not None)
+    if splits == 1:
+        return out.view(Bt, N, h * d)
+    _attend_upto_combine[(Bt * hk, m_blocks)](
+        opart, mpart, lpart, out, out.stride(0), out.stride(1), out.stride(2), N, d,
+        SPLITS=splits, HK=hk, G=G, D=D, BLOCK_M=BLOCK_M)
+    return out.view(Bt, N, h * d)
+
+
+# -----------------------------------------------------------------------------
+# The frozen LM head's cross-entropy, a chunk of rows at a time, and its gradient to the logits
+
+def head_chunk_grad(logits, labels, row_weights):
+    """One chunk of FrozenHeadCrossEntropy: logits (c, V) in the head's dtype, labels (c,), row weights
+    (c,) -> Σ w · CE and its gradient to the logits, w · (softmax − onehot), in the head's dtype, with
+    the softmax in float32 (float64 for a float64 head). Pointwise but for the softmax's row sums, so
+    that compiled (`train --compile`) it is a few fused passes over the logits rather than one per op.
+    The plain-torch twin of triton_head_chunk_grad, which head_loss_chunk takes on CUDA."""
+    exact = torch.promote_types(logits.dtype, torch.float32)
+    log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
+    loss = -(row_weights * log_p.gather(1, labels[:, None])[:, 0]).sum()
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]   # (c, V)
+    d_logits = (log_p.exp() - onehot.to(exact)) * row_weights[:, None]                # (c, V)
+    return loss, d_logits.to(logits.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _head_chunk_grad(Logits, Labels, Weights, Grad, RowLoss, V, stride, BLOCK: tl.constexpr):
+        """Row r of a chunk: its log-partition log Σ exp(x) in one online pass over the row's logits x,
+        then its loss w·(log Z − x[y]) and, in a second pass, its gradient w·(exp(x − log Z) − onehot(y))
+        in the logits' dtype; float32 inside."""
+        r = tl.program_id(0).to(tl.int64)
+        row, cols = Logits + r * stride, tl.arange(0, BLOCK)
+        run_max = tl.full([BLOCK], -1e30, tl.float32)   # finite: a lane past V adds exp(-inf) = 0, not NaN
+        run_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            x = tl.load(row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(run_max, x)
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
+            run_max = new_max
+        top = tl.max(run_max, 0)
+        log_z = top + tl.log(tl.sum(run_sum * tl.exp(run_max - top), 0))
+        label, w = tl.load(Labels + r), tl.load(Weights + r).to(tl.float32)
+        tl.store(RowLoss + r, w * (log_z - tl.load(row + label).to(tl.float32)))
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            x = tl.load(row + c, mask=c < V, other=0.0).to(tl.float32)
+            grad = (tl.exp(x - log_z) - (c == label).to(tl.float32)) * w
+            tl.store(Grad + r * V + c, grad.to(Grad.dtype.element_ty), mask=c < V)
+
+
+# a row's tile and the kernel's warps: 0.651 ms a chunk of 8,192 rows on the H200, 1.69× its floor (the
+# fastest of twelve tried, 0.651–1.001 ms; docs/speed.md)
+HEAD_BLOCK, HEAD_WARPS = 2048, 8
+
+
+def triton_head_chunk_grad(logits, labels, row_weights, block: int = HEAD_BLOCK, warps: int = HEAD_WARPS):
+    """head_chunk_grad as one Triton kernel, a program per row: the logits read twice (the second time
+    mostly from L2) and the gradient written once. On the H200, 0.651 ms a chunk of 8,192 × 49,152
+    against 1.330 for head_chunk_grad compiled by inductor. Labels must lie in [0, V) (block_loss
+    drops the rows without one; checking here would read them back to the host). log Z is summed at
+    the scale of the largest logit, so far from 0 (|logits| in the hundreds) it rounds more than the
+    twin; a drafter's logits stay well inside that."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    labels, row_weights = labels.contiguous(), row_weights.contiguous()                # read at r, not r·stride
+    (c, V), exact = logits.shape, torch.promote_types(logits.dtype, torch.float32)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)          # (c, V)
+    row_loss = torch.empty(c, dtype=exact, device=logits.device)                   # (c,)
+    if c:
+        _head_chunk_grad[(c,)](logits, labels, row_weights, grad, row_loss, V, logits.stride(0),
+                               BLOCK=block, num_warps=warps)
+    return row_loss.sum(), grad
