@@ -21,9 +21,14 @@ the median of 3 runs of 64 tokens, less a 1-token run (the prefill), over 63.
     $ python bench.py --shape qwen3-8b --out bench-qwen3-8b.json
     $ python bench.py --shape smollm2-135m
 """
+
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
+    import signal
+    import sys
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import json
 import platform
 import statistics
@@ -271,7 +276,7 @@ def hf_generate_rate(target, prompt, max_new_tokens, **kwargs) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)

@@ -24,9 +24,14 @@ one run, after warm-up:
 
     $ python bench_train.py --out bench-train.json
 """
+
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
+    import signal
+    import sys
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import functools
 import json
 import platform
@@ -198,7 +203,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--target", help="a real target dir (default: SmolLM2-135M shapes, random weights)")
     p.add_argument("--distill-batch", type=int, default=1024)
     p.add_argument("--max-new", type=int, default=512, help="BatchDecoder new tokens per row")

@@ -25,14 +25,18 @@ from files import replace_files
 # -----------------------------------------------------------------------------
 # config.json: resolved into a DraftConfig, or refused naming the key
 
-def read_file(path: Path, what: str, reader=lambda p: json.loads(p.read_text())):
-    """reader(path), JSON by default; a missing or unreadable file ends in one line naming it."""
+def read_file(path: Path, what: str, reader=None):
+    """reader(path), by default the JSON object a config file holds; a missing or unreadable file, or JSON
+    that is not an object, ends in one line naming it."""
     try:
-        return reader(path)
+        data = json.loads(path.read_text()) if reader is None else reader(path)
     except FileNotFoundError:
         raise DFlashError(f"{what}: {path} not found") from None
     except Exception as err:   # JSON, safetensors and OS errors alike
         raise DFlashError(f"{what}: {path} is unreadable ({err})") from None
+    if reader is None and not isinstance(data, dict):
+        raise DFlashError(f"{what}: {path} is not a JSON object of keys (it holds {json.dumps(data)[:40]})")
+    return data
 
 
 # Checkpoints a same-position DFlash reader would load wrong, silently: each is refused, naming why (spec §6).

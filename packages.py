@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from files import foreign_names, replace_dir, sha256
@@ -75,8 +76,10 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     if problem is None:
         return directory
     # converting again replaces the dir: only one that holds nothing but a conversion's files
-    if directory.exists() and not directory.is_dir():
-        raise PackageError(f"SmolLM2 cache: {directory} is a file, not a directory")
+    blocking = next((p for p in [directory, *directory.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:   # checked before the conversion's half minute, not after it
+        where = " (DFLASH_CACHE)" if cache_dir is None and os.environ.get("DFLASH_CACHE") else ""
+        raise PackageError(f"SmolLM2 cache: {blocking}{where} is a file, not a directory")
     others = foreign_names(directory, CONVERTED)
     if others:
         raise PackageError(f"SmolLM2 cache: {directory} holds files no conversion writes ({', '.join(others[:3])}"
@@ -125,20 +128,38 @@ def convert_smollm2(gguf: Path, directory: Path):
 
 
 def write_smollm2(gguf: Path, directory: Path):
-    """Dequantize the GGUF and save it as an ordinary HF dir: bf16 safetensors, tokenizer, generation config."""
+    """Dequantize the GGUF and save it as an ordinary HF dir: bf16 safetensors, tokenizer, generation config.
+    transformers' own advisories (the dtype it loads a GGUF in, say) are held back: the conversion says
+    what it does itself."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # Q4_1 dequantizes to float32; bf16 halves the files and upcasts exactly for float32 use.
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-    # The weights are dequantized already; a model built from the config without the GGUF
-    # quantization entry saves as a plain checkpoint.
-    del gguf_model.config.quantization_config
-    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.bfloat16)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    with transformers_quiet():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Q4_1 dequantizes to float32; bf16 halves the files and upcasts exactly for float32 use.
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        # The weights are dequantized already; a model built from the config without the GGUF
+        # quantization entry saves as a plain checkpoint.
+        del gguf_model.config.quantization_config
+        model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.bfloat16)
+        model.load_state_dict(gguf_model.state_dict())
+        model.generation_config = gguf_model.generation_config
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+
+@contextmanager
+def transformers_quiet():
+    """transformers' logging held at errors, and its progress bars off, until the block ends."""
+    from transformers.utils import logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def check_smollm2(directory: Path):

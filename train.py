@@ -16,7 +16,13 @@ Shape legend (as in dflash.py, plus): Bt sequences in a batch, N padded sequence
 M blocks in a batch, B block size, H hidden, n captured layers, V vocab, h/hk query/key heads,
 d head_dim; in the packed forward, P the most blocks a sequence of the batch has.
 """
+
 from __future__ import annotations
+
+if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
+    import signal
+    import sys
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 
 import json
 import math
@@ -876,7 +882,8 @@ def parse_args(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     distill.add_commands(sub)
 
-    s = sub.add_parser("train", help="train a new z-lab-format drafter on distilled sequences")
+    s = sub.add_parser("train", formatter_class=cli.HelpFormatter,
+                       help="train a drafter (z-lab format) on the target's answers from `distill`")
     s.add_argument("--target", required=True, help="target HF dir")
     s.add_argument("--data", required=True, nargs="+", help="distilled sequences from `distill`: the held-out "
                    "answers come from the first file, and every answer in the others trains (but those to a "
@@ -888,7 +895,8 @@ def parse_args(argv=None):
     s.add_argument("--init", help="start from this drafter checkpoint instead of a fresh one (continued training)")
     s.add_argument("--num-features", type=int, help="captured target layers n (default min(5, T-3))")
     s.add_argument("--mask-token-id", type=int, help="m (default: a spare embedding row or unused added token)")
-    s.add_argument("--epochs", type=int, default=1)
+    s.add_argument("--epochs", type=int, default=1, help="passes over the training answers (a run stops at "
+                   "whichever of --epochs, --max-steps and --time-budget comes first)")
     s.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     s.add_argument("--time-budget", type=float, help="seconds of training: fewer steps if the measured pace needs it")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per step (one packed forward)")
@@ -909,7 +917,7 @@ def parse_args(argv=None):
                    "beside the features: H more values a token) rather than its argmax (cross-entropy)")
     s.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
     s.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
-    s.add_argument("--weight-decay", type=float, default=0.0)
+    s.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     s.add_argument("--gamma", type=float, help="loss decay γ (default 7 for B=16, 5 for B=10, 4 for B=8, else B/2)")
     s.add_argument("--heldout", type=int, nargs="+", default=[32],
                    help="greedy answers to the last prompts of each --data file held out for the τ estimate, one "
@@ -918,10 +926,8 @@ def parse_args(argv=None):
     s.add_argument("--heldout-tokens", type=int, help="walk only the first N response tokens of each held-out "
                    "answer, e.g. an evaluation's cap of 256 (default: the whole answers)")
     s.add_argument("--eval-every", type=int, default=100, help="steps between held-out τ estimates")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--device", help="default cuda if available, else cpu")
-    s.add_argument("--dtype", choices=list(cli.DTYPES), help="target dtype (default float32 on CPU, bfloat16 on "
-                   "CUDA, where the drafter trains under bf16 autocast)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the new drafter's weights and the anchors drawn")
+    cli.add_device_flags(s, dtype_note=" (the target's; on CUDA the drafter trains under bf16 autocast)")
     s.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="checkpoint dtype")
     s.set_defaults(run=cmd_train)
 

@@ -1,0 +1,316 @@
+"""conformance.py: golden stage values for porters, and a checker that names the stage a port breaks."""
+import json
+import re
+from unittest import mock
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import conformance
+import dflash
+from dflash import DFlashError
+from conftest import run_cli
+
+
+def test_conformance_kit_regenerates_to_the_committed_files(tmp_path):
+    """`conformance.py write` from today's dflash.py gives the committed kit: the same checkpoints and
+    requests byte for byte, and stage values the checker passes (so the kit cannot drift from the reference)."""
+    conformance.write_kit(tmp_path)
+    for name in conformance.CASES:
+        fresh, committed = tmp_path / name, conformance.KIT / name
+        for part in ("target", "drafter"):
+            for file in ("config.json", "model.safetensors"):
+                assert (fresh / part / file).read_bytes() == (committed / part / file).read_bytes(), (name, part, file)
+        assert json.loads((fresh / "case.json").read_text()) == json.loads((committed / "case.json").read_text())
+        dump = load_file(fresh / "expected.safetensors") | {"acceptance_lengths": torch.tensor(
+            json.loads((fresh / "case.json").read_text())["acceptance_lengths"])}
+        result = conformance.check(committed, dump)
+        assert result["first"] is None and "missing" not in result["results"].values(), name
+
+
+def test_an_interrupted_conformance_write_leaves_the_old_case_whole(tmp_path, monkeypatch):
+    """A write stopped after a new seed's models are written (here at the recording, as a Ctrl-C would)
+    leaves every file of the case as it was; the next write clears what the stopped one left beside it."""
+    import shutil
+    shutil.copytree(conformance.KIT / "laguna", tmp_path / "laguna")
+    files = lambda: {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    before = files()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(conformance, "record_reference", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+    left = {name: data for name, data in files().items() if name.startswith("laguna/")}
+    assert left == before
+    assert (tmp_path / "laguna.partial" / "target" / "model.safetensors").is_file()   # the new seed's, set aside
+    monkeypatch.undo()
+    conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["laguna"]
+    assert json.loads((tmp_path / "laguna" / "case.json").read_text())["seed"] >= 7
+    (tmp_path / "laguna" / "my-dump.safetensors").write_bytes(b"mine")   # the case is replaced whole: refused
+    with pytest.raises(DFlashError, match=r"laguna holds files a case does not \(my-dump.safetensors\); move them "
+                                          r"or give another --kit"):
+        conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+    assert (tmp_path / "laguna" / "my-dump.safetensors").read_bytes() == b"mine"
+
+
+def test_every_case_covers_what_the_kit_promises():
+    """Seven cases: z-lab full attention, the newer layout with a biting window, and with its causality
+    override off, RoPE bases per layer type and the default layer ids, Laguna, K < B-1 at both compute
+    widths, and a sampled case (temperature, top-p and top-k) whose output is not its greedy decode;
+    Qwen3, Llama and Laguna targets; each accepts a draft within its recorded rounds; every pair stays small."""
+    specs = {n: json.loads((conformance.KIT / n / "case.json").read_text()) for n in conformance.CASES}
+    families = {json.loads((conformance.KIT / n / "target" / "config.json").read_text())["model_type"] for n in specs}
+    assert families == {"qwen3", "llama", "laguna"}
+    assert {(s["request"]["num_drafts"], s["request"]["full_block"]) for s in specs.values()} >= {(3, True), (3, False)}
+    sampled = specs["sampled"]["request"]
+    assert sampled["temperature"] > 0 and sampled["top_p"] < 1 and sampled["top_k"] > 0
+    target, drafter, _ = conformance.load_case(conformance.KIT / "sampled")   # draws the uniforms decide:
+    tokens = load_file(conformance.KIT / "sampled" / "expected.safetensors")["tokens"].tolist()
+    assert tokens != dflash.generate(target, drafter, sampled["prompt_ids"], sampled["max_new_tokens"]).tokens
+    assert len(set(tokens)) >= 4                                                   # not its greedy decode
+    for name, spec in specs.items():
+        expected = load_file(conformance.KIT / name / "expected.safetensors")
+        assert any(int(expected[f"accepted.{r}"]) > 0 for r in range(1, conformance.ROUNDS + 1)
+                   if f"accepted.{r}" in expected), name
+        assert {k.rsplit(".", 1)[0] for k in expected} == set(conformance.STAGES) | {"tokens"}, name
+        assert sum(p.stat().st_size for p in (conformance.KIT / name).rglob("*") if p.is_file()) < 600_000, name
+    both_sides = json.loads((conformance.KIT / "zlab-new-bidirectional" / "drafter" / "config.json").read_text())
+    assert both_sides["dflash_config"]["causal"] is False and "target_layer_ids" not in both_sides["dflash_config"]
+    assert "sliding_attention" in both_sides["layer_types"] and len({
+        p["rope_theta"] for p in both_sides["rope_parameters"].values()}) == 2
+    window = json.loads((conformance.KIT / "zlab-new-window" / "drafter" / "config.json").read_text())
+    assert len(specs["zlab-new-window"]["request"]["prompt_ids"]) > window["sliding_window"]
+
+
+@pytest.mark.parametrize("name", sorted(conformance.CASES))
+def test_fastpath_passes_every_conformance_case(name):
+    """The twin's dump (float32, CPU) matches the kit at every stage of every case."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / name)
+    result = conformance.check(conformance.KIT / name, conformance.record_fastpath(target, drafter, spec["request"]))
+    assert result["first"] is None and set(result["results"].values()) == {"ok"}, conformance.report(result)
+
+
+def bonus_too_early(target, drafter, request):
+    """A port that appends one row too many after each verify: the hidden state at the bonus's position."""
+    real_forward, real_project, last = dflash.target_forward, dflash.Drafter.project_context, {}
+
+    def target_forward(*args):
+        logits, last["features"] = real_forward(*args)
+        return logits, last["features"]
+
+    def project_context(self, features):   # after a verify, features are its first a+1 rows
+        verified = last["features"]
+        return real_project(self, verified[:len(features) + 1] if len(features) < len(verified) else features)
+    with mock.patch.object(dflash, "target_forward", target_forward), \
+            mock.patch.object(dflash.Drafter, "project_context", project_context):
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def shifted_readout(target, drafter, request):
+    """A port that reads its drafts from block rows 0..W-2 (next-token style) instead of 1..W-1."""
+    def propose(drafter_, ctx, block, target_, count):
+        hidden = dflash.draft_block(drafter_, ctx, target_.get_input_embeddings()(block))   # (W, H)
+        return target_.get_output_embeddings()(hidden[:count]).argmax(-1)                  # (count,)
+    with mock.patch.object(dflash, "propose", propose):   # patched first, so the recorder wraps it
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def rejects_after_the_recorded_rounds(target, drafter, request):
+    """A port whose verification accepts nothing after the rounds the kit records: its greedy tokens are
+    the same, only its acceptance differs."""
+    real_verify, calls = dflash.verify, [0]
+
+    def verify(drafts, logits, sampling, uniforms):
+        calls[0] += 1   # the prefill's, then one a round
+        late = calls[0] > conformance.ROUNDS + 1
+        return real_verify(drafts[:0] if late else drafts, logits[:1] if late else logits, sampling, uniforms)
+    with mock.patch.object(dflash, "verify", verify):   # patched first, so the recorder wraps it
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def with_drafter_change(change):
+    def run(target, drafter, request):
+        change(drafter)
+        return conformance.record_reference(target, drafter, request)[0]
+    return run
+
+
+def set_each_layer(**attributes):
+    def change(drafter):
+        for layer in drafter.layers:
+            if layer.window is not None:   # the sliding layers
+                for key, value in attributes.items():
+                    setattr(layer, key, value)
+    return change
+
+
+def one_sided_window(target, drafter, request):
+    """A port whose window bounds only the keys before a query (a non-causal sliding layer sees both sides)."""
+    def visible_at(delta, causal, window):
+        visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
+        return visible if window is None else visible & (delta < window)
+    with mock.patch.object(dflash, "visible_at", visible_at):
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def one_rope_base(drafter):
+    """A loader that reads one RoPE base for every layer, the first layer's."""
+    for layer in drafter.layers:
+        layer.self_attn.rope_theta = drafter.config.rope_thetas[0]
+    drafter.config.rope_thetas = [drafter.config.rope_thetas[0]] * len(drafter.layers)
+
+
+def greedy_verifier(accepted_of):
+    """A port whose greedy verification counts accepted drafts as accepted_of(drafts, target's argmaxes) does."""
+    def verify(drafts, logits, sampling, uniforms):
+        chosen = logits.argmax(-1)                                                      # (k+1,)
+        accepted = accepted_of(drafts, chosen)
+        return accepted, int(chosen[accepted])
+
+    def run(target, drafter, request):
+        with mock.patch.object(dflash, "verify", verify):   # patched first, so the recorder wraps it
+            return conformance.record_reference(target, drafter, request)[0]
+    return run
+
+
+BROKEN_VERIFIERS = {   # greedy verifiers that compare wrongly: accepted drafts from (drafts, the target's argmaxes)
+    "drafts compared with the wrong rows": lambda d, t: int((d == t[1:]).long().cumprod(0).sum()),
+    "matches counted past the first miss": lambda d, t: int((d == t[:-1]).long().sum()),
+}
+
+
+GREEDY_CASES = ["zlab-qwen3", "zlab-new-window", "laguna", "k3-block-width", "k3-drafts-width", "zlab-new-bidirectional"]
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_VERIFIERS))
+def test_greedy_cases_fail_a_verifier_that_compares_wrongly(name):
+    """A greedy verifier that compares the drafts with the wrong rows is named at verification by every
+    greedy case; one that counts matches past the first miss by every one but zlab-new-bidirectional, whose
+    drafts never match again after a miss (its run ends at other rounds, so later stages go missing)."""
+    passed = set()
+    for case in GREEDY_CASES:
+        target, drafter, spec = conformance.load_case(conformance.KIT / case)
+        result = conformance.check(conformance.KIT / case, greedy_verifier(BROKEN_VERIFIERS[name])(target, drafter,
+                                                                                                   spec["request"]))
+        if result["first"] is None:
+            passed.add(case)
+        else:
+            assert result["first"]["stage"] == "accepted", conformance.report(result)
+    assert passed == ({"zlab-new-bidirectional"} if name == "matches counted past the first miss" else set())
+
+
+BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must name, a word of its pitfall)
+    "causality override ignored": ("zlab-new-bidirectional", with_drafter_change(lambda d: [
+        setattr(layer, "causal", layer.window is not None) for layer in d.layers]), "hidden", "causality override"),
+    "window on one side only": ("zlab-new-bidirectional", one_sided_window, "hidden", "one side only"),
+    "one RoPE base for every layer": ("zlab-new-bidirectional", with_drafter_change(one_rope_base), "hidden",
+                                      "RoPE base"),
+    "wrong layer index": ("zlab-qwen3", with_drafter_change(
+        lambda d: setattr(d.config, "target_layer_ids", [i + 1 for i in d.config.target_layer_ids])),
+        "features", "layer index"),
+    "bonus hidden state too early": ("zlab-qwen3", bonus_too_early, "context", "too early"),
+    "readout shifted by one": ("k3-block-width", shifted_readout, "drafts", "shifted by one"),
+    "sliding layer as full attention": ("zlab-new-window", with_drafter_change(set_each_layer(causal=False, window=None)),
+                                        "hidden", "full attention"),
+    "no window": ("laguna", with_drafter_change(set_each_layer(window=None)), "hidden", "no window"),
+    "missing Laguna per-capture norm": ("laguna", with_drafter_change(lambda d: setattr(d, "aux_hidden_norms", None)),
+                                        "context", "per-capture norm"),
+    "no acceptance after the recorded rounds": ("laguna", rejects_after_the_recorded_rounds, "acceptance_lengths",
+                                                "rounds past the recorded ones"),
+    "no input norm on the context K/V": ("laguna", with_drafter_change(
+        lambda d: [setattr(layer, "context_norm", torch.nn.Identity()) for layer in d.layers]),
+        "ctx_keys", "no input norm"),
+}
+
+
+def sampling_port(change):
+    """A port whose verification changes the request's sampling (or its rule) as change(verify, drafts,
+    logits, sampling, uniforms) does."""
+    def run(target, drafter, request):
+        real_verify = dflash.verify
+        with mock.patch.object(dflash, "verify", lambda *args: change(real_verify, *args)):
+            return conformance.record_reference(target, drafter, request)[0]
+    return run
+
+
+def draw_from_p(verify, drafts, logits, sampling, uniforms):   # after a rejection, p itself, not the residual
+    with mock.patch.object(dflash, "residual", lambda probs, token: probs):
+        return verify(drafts, logits, sampling, uniforms)
+
+
+SAMPLING_PORTS = {
+    "temperature ignored": lambda verify, d, l, s, u: verify(d, l, dflash.Sampling(1.0, s.top_p, s.top_k), u),
+    "top-p ignored": lambda verify, d, l, s, u: verify(d, l, dflash.Sampling(s.temperature, 1.0, s.top_k), u),
+    "top-k ignored": lambda verify, d, l, s, u: verify(d, l, dflash.Sampling(s.temperature, s.top_p, 0), u),
+    "decoded greedily": lambda verify, d, l, s, u: verify(d, l, dflash.Sampling(), u),
+    "drawn from p, not the residual": draw_from_p,
+}
+
+
+@pytest.mark.parametrize("port", sorted(SAMPLING_PORTS))
+def test_the_sampled_case_fails_each_broken_sampling_port(port):
+    """The sampled case's draws are not forced: a port that gets any part of the sampling wrong differs
+    somewhere, while the same port without the change conforms."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "sampled")
+    result = conformance.check(conformance.KIT / "sampled",
+                               sampling_port(SAMPLING_PORTS[port])(target, drafter, spec["request"]))
+    assert result["first"] is not None and "missing" not in result["results"].values(), conformance.report(result)
+    same = sampling_port(lambda verify, *args: verify(*args))(target, drafter, spec["request"])
+    assert conformance.check(conformance.KIT / "sampled", same)["first"] is None
+
+
+@pytest.mark.parametrize("pitfall", sorted(BROKEN_PORTS))
+def test_checker_names_the_stage_each_pitfall_breaks(pitfall):
+    """A dump from a port with each pitfall the engines have met is named at the stage where it first shows,
+    with that stage's pitfall text; the same port without the pitfall passes."""
+    name, port, stage, word = BROKEN_PORTS[pitfall]
+    target, drafter, spec = conformance.load_case(conformance.KIT / name)
+    result = conformance.check(conformance.KIT / name, port(target, drafter, spec["request"]))
+    assert result["first"] is not None and result["first"]["stage"] == stage, conformance.report(result)
+    assert "missing" not in result["results"].values() and word in result["first"]["pitfall"]
+    assert f"first difference: {result['first']['key']} ({stage}); usually" in conformance.report(result)
+
+
+def test_checker_lets_near_tied_top5_ids_come_in_either_order():
+    """top5_ids are exact, but ranks whose expected logits tie within the logits' tolerance may come in either
+    order (sampled, round 4, row 1: ranks 3 and 4 lie 2e-4 apart); ranks further apart may not."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "sampled")
+    dump = conformance.record_fastpath(target, drafter, spec["request"])
+    expected = load_file(conformance.KIT / "sampled" / "expected.safetensors")
+    gaps = expected["top5_logits.4"][1, :-1] - expected["top5_logits.4"][1, 1:]
+    assert gaps[2] < 1e-3 < min(gaps[0], gaps[1], gaps[3])
+    for ranks, conforms in (([2, 3], True), ([0, 1], False)):   # the tied pair with its logits; ids alone
+        swapped = dict(dump)
+        swapped["top5_ids.4"], swapped["top5_logits.4"] = dump["top5_ids.4"].clone(), dump["top5_logits.4"].clone()
+        swapped["top5_ids.4"][1, ranks] = dump["top5_ids.4"][1, ranks[::-1]]
+        if conforms:
+            swapped["top5_logits.4"][1, ranks] = dump["top5_logits.4"][1, ranks[::-1]]
+        result = conformance.check(conformance.KIT / "sampled", swapped)
+        assert (result["first"] is None) == conforms, conformance.report(result)
+        assert conforms or result["first"]["key"] == "top5_ids.4"
+
+
+def test_checker_takes_any_subset_and_the_cli_reports_it(tmp_path):
+    """A dump of a few stages is checked on those alone (the rest reported missing); the CLI exits 0 when
+    they match and 1 when one differs, naming it, or when it holds none of the case's keys (misnamed); an
+    unknown case is one error line, exit 2."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "laguna")
+    full = conformance.record_fastpath(target, drafter, spec["request"])
+    subset = {k: v for k, v in full.items() if k.startswith(("drafts.", "accepted.")) or k == "tokens"}
+    save_file(subset, tmp_path / "subset.safetensors")
+    good = run_cli("check", str(tmp_path / "subset.safetensors"), "--case", "laguna", script="conformance.py")
+    assert good.returncode == 0 and "conforms: every stage given matches" in good.stdout
+    assert re.search(r"^  features\.0 +missing$", good.stdout, re.M)
+    subset["drafts.2"] = subset["drafts.2"].flip(0) if len(subset["drafts.2"]) > 1 else subset["drafts.2"] + 1
+    save_file(subset, tmp_path / "bad.safetensors")
+    bad = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "laguna", script="conformance.py")
+    assert bad.returncode == 1 and "first difference: drafts.2 (drafts); usually the readout" in bad.stdout
+    save_file({f"drafts_{k.replace('.', '_')}": v for k, v in subset.items()}, tmp_path / "misnamed.safetensors")
+    misnamed = run_cli("check", str(tmp_path / "misnamed.safetensors"), "--case", "laguna", script="conformance.py")
+    assert misnamed.returncode == 1 and "nothing compared: the dump holds none of the case's keys" in misnamed.stdout
+    unknown = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "nope", script="conformance.py")
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines()[-1].startswith(
+        "error: --case = 'nope' is not in ")
