@@ -160,29 +160,32 @@ def packed_rule(block_anchors, block_size: int, N, causal: bool, window):
 
 def packed_mask(block_anchors, block_size: int, N: int, causal: bool, window: int | None, sparse: bool):
     """packed_rule's mask for block_anchors (Bt, P) over (Bt, P·B) query rows and (Bt, N + P·B) keys ->
-    if sparse, a PackedMask: the context's flex attention BlockMask (packed_block_mask: its unseen
-    128 × 128 tiles are skipped, and its wholly seen ones skip the rule) and the (B, B) rule within a
-    block; else the dense (Bt, 1, P·B, N + P·B) bool mask for SDPA, the rule evaluated at every (row, key)."""
-    device, B = block_anchors.device, block_size
-    window_t = None if window is None else to_device(torch.tensor(window), device)
-    rule = packed_rule(block_anchors, B, to_device(torch.tensor(N), device), causal, window_t)
-    if sparse:
-        o = torch.arange(B, device=device)                                             # (B,) a row's place in its block
-        own = dflash.visible_at(o[:, None] - o, causal, window)                        # (B, B) row o sees row j
-        return PackedMask(packed_block_mask(block_anchors, B, N, window, rule), own)
-    rows = block_anchors.shape[1] * B
-    return create_mask(rule, block_anchors.shape[0], None, rows, N + rows, device=device)
+    if sparse, a PackedMask: the context's flex attention BlockMask (its unseen 128 × 128 tiles skipped,
+    its wholly seen ones skipping the rule: context_tiles) and the (B, B) rule within a block; else the
+    dense (Bt, 1, P·B, N + P·B) bool mask for SDPA, the rule evaluated at every (row, key)."""
+    device, B, rows = block_anchors.device, block_size, block_anchors.shape[1] * block_size
+    tiles = context_tiles(block_anchors, B, N, window) if sparse else None
+    N_t, window_t = (None if n is None else to_device(torch.tensor(n), device) for n in (N, window))
+    rule = packed_rule(block_anchors, B, N_t, causal, window_t)
+    if not sparse:
+        return create_mask(rule, block_anchors.shape[0], None, rows, N + rows, device=device)
+    o = torch.arange(B, device=device)                                                 # (B,) a row's place in its block
+    return PackedMask(BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=TILE, mask_mod=rule, seq_lengths=(rows, N)),
+                      own=dflash.visible_at(o[:, None] - o, causal, window))          # (B, B) row o sees row j
 
 
-def packed_block_mask(block_anchors, block_size: int, N: int, window: int | None, rule, tile: int = 128) -> BlockMask:
-    """packed_rule's flex attention BlockMask over the context's N keys, the one create_block_mask(rule,
-    ...) builds with tiles of `tile`, from the interval of keys each row sees there, not the rule at
-    every (row, key), which on an H200 cost 4 ms a step compiled (one kernel over 32 × 2,048 × 2,816
-    pairs) and 1.7 GiB eager. Row o of a block at anchor a (position a + o) sees the context
-    [a + o − w + 1, a), w the window (None: unbounded; causal or not, every context key it sees lies
-    before it). A tile is listed if some row sees some key of
-    it, and as full if every row sees every key; the tiles past the rows' and keys' ends are padding
-    that nothing sees, as create_block_mask pads them."""
+TILE = 128   # flex attention's tile of rows and keys
+
+
+def context_tiles(block_anchors, block_size: int, N: int, window: int | None, tile: int = TILE):
+    """The tiles of the context's N keys that packed_rule's rows see, as BlockMask.from_kv_blocks takes them:
+    the BlockMask create_block_mask(rule, ...) builds with tiles of `tile`, from the interval of keys each
+    row sees there, not the rule at every (row, key), which on an H200 cost 4 ms a step compiled (one
+    kernel over 32 × 2,048 × 2,816 pairs) and 1.7 GiB eager. Row o of a block at anchor a (position a + o)
+    sees the context [a + o − w + 1, a), w the window (None: unbounded; causal or not, every context key it
+    sees lies before it). A tile is listed if some row sees some key of it, and as full if every row sees
+    every key; the tiles past the rows' and keys' ends are padding that nothing sees, as create_block_mask
+    pads them. -> per row tile, the partly seen key tiles' count and indices, then the full ones'."""
     (Bt, P), B, device = block_anchors.shape, block_size, block_anchors.device
     R = P * B
     w = N + B if window is None else window                                            # unbounded: wider than the keys
@@ -201,8 +204,7 @@ def packed_block_mask(block_anchors, block_size: int, N: int, window: int | None
         listed = tiles_listed[:, None].to(torch.int32)                                 # (Bt, 1, Qt, Kt)
         return (listed.sum(-1, dtype=torch.int32),
                 torch.argsort(listed, dim=-1, descending=True, stable=True).to(torch.int32))
-    return BlockMask.from_kv_blocks(*ordered(some & ~every), *ordered(every), BLOCK_SIZE=tile, mask_mod=rule,
-                                    seq_lengths=(R, N))
+    return (*ordered(some & ~every), *ordered(every))
 
 
 # -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 import checkpoint
 import distill
@@ -213,8 +214,8 @@ BLOCK_MASK_PARTS = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_k
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 40), (False, 40), (True, 3), (False, 3),
                                            (True, 1), (False, 1000)])
-def test_packed_block_mask_is_create_block_masks(causal, window):
-    """packed_block_mask, built from the interval of context keys each row sees, is the BlockMask that
+def test_context_tiles_are_create_block_masks(causal, window):
+    """The BlockMask of context_tiles, built from the interval of context keys each row sees, is the BlockMask that
     create_block_mask builds by evaluating the rule at every (row, context key): every index tensor equal, for
     tiles of 128 (two sequences of 300 positions, 40 or 33 blocks of 16 in order, as training draws
     them) and of 8, 32 and 4 (anchors in any order, blocks of 4, 8 and 16, one sequence alone: tiles
@@ -229,7 +230,8 @@ def test_packed_block_mask_is_create_block_masks(causal, window):
         anchors = anchors.sort(1).values if in_order else anchors
         anchors[-1, -2:] = 0                                                        # empty slots, as block_slots leaves them
         rule = packed.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
-        got = packed.packed_block_mask(anchors, B, N, window, rule, tile=tile)
+        got = BlockMask.from_kv_blocks(*packed.context_tiles(anchors, B, N, window, tile), BLOCK_SIZE=tile,
+                                       mask_mod=rule, seq_lengths=(P * B, N))
         want = create_block_mask(rule, Bt, None, P * B, N, device="cpu", BLOCK_SIZE=tile)   # the context's keys
         case = (Bt, B, N, P, tile)
         assert got.BLOCK_SIZE == want.BLOCK_SIZE and got.seq_lengths == want.seq_lengths, case
@@ -242,7 +244,7 @@ def test_packed_block_mask_is_create_block_masks(causal, window):
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 5)])
 def test_block_mask_attention_equals_the_dense_mask(causal, window):
-    """The packed rule's PackedMask (the context's BlockMask from packed_block_mask, tiles of 8 here, 128
+    """The packed rule's PackedMask (the context's BlockMask from context_tiles, tiles of 8 here, 128
     on CUDA; the rule within a block) gives the same attention as the dense mask SDPA gets from the
     rule, GQA included (float64, CPU, flex attention unfused), rows that see no context key included;
     whole tiles are skipped, and each row sees exactly: the context before its anchor, its own block's
@@ -256,7 +258,8 @@ def test_block_mask_attention_equals_the_dense_mask(causal, window):
     q = torch.randn(Bt, h, P * B, d, dtype=torch.float64, generator=g)
     keys, values = (torch.randn(Bt, hk, N + P * B, d, dtype=torch.float64, generator=g) for _ in range(2))
     mask = packed.packed_mask(anchors, B, N, causal, window, True)
-    mask = mask._replace(context=packed.packed_block_mask(anchors, B, N, window, rule, tile=8))
+    mask = mask._replace(context=BlockMask.from_kv_blocks(*packed.context_tiles(anchors, B, N, window, 8),
+                                                          BLOCK_SIZE=8, mask_mod=rule, seq_lengths=(P * B, N)))
     assert mask.context.sparsity() > 40   # percent of tiles skipped
     # unfused flex attention applies the rule itself, so the tiles are checked on their own: a tile is
     # listed (partly or wholly seen) exactly where some row of it sees some context key of it
