@@ -253,7 +253,7 @@ def parse_args(argv=None):
                    f"{CPU_NUM_DRAFTS}, where a wider verify costs more than it gains)")
     p.add_argument("--compute-width", choices=["block", "drafts"], default="block", help="drafter rows: B or K+1")
     p.add_argument("--target-only", action="store_true", help="decode with the target alone, same loop")
-    add_sampling_flags(p, "seed of the sampling uniforms, for reproducible runs")
+    add_sampling_flags(p, "seed of the sampling uniforms, for reproducible runs (default: a fresh seed each run)")
     add_device_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON line instead of text and stats")
     return p.parse_args(argv)

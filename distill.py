@@ -773,7 +773,8 @@ def add_commands(sub):
     s.add_argument("--batch-size", type=int, default=32, help="prompts decoded together")
     s.add_argument("--batches-per-save", type=int, default=4,
                    help="the output file is saved after every batch-size × this many prompts (decoded as one run of refilled rows)")
-    s.add_argument("--time-budget", type=float, help="stop starting new chunks after this many seconds")
+    s.add_argument("--time-budget", type=float, help="stop starting new chunks after this many seconds (default: "
+                   "no limit)")
     s.add_argument("--resume", action="store_true",
                    help="keep the answers already in --out and skip their (prompt, temperature) pairs")
     s.add_argument("--all-turns", action="store_true",

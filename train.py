@@ -892,13 +892,15 @@ def parse_args(argv=None):
     s.add_argument("--block-size", type=int, help="B: bonus + B-1 drafts (default 16)")
     s.add_argument("--layers", type=int, help="drafter layers (default 2); with --init, more than the checkpoint's "
                    "appends new layers that start at zero output, so training starts from the checkpoint's drafts")
-    s.add_argument("--init", help="start from this drafter checkpoint instead of a fresh one (continued training)")
+    s.add_argument("--init", help="start from this drafter checkpoint instead of a fresh one (continued training; "
+                   "default: a fresh drafter)")
     s.add_argument("--num-features", type=int, help="captured target layers n (default min(5, T-3))")
     s.add_argument("--mask-token-id", type=int, help="m (default: a spare embedding row or unused added token)")
     s.add_argument("--epochs", type=int, default=1, help="passes over the training answers (a run stops at "
                    "whichever of --epochs, --max-steps and --time-budget comes first)")
-    s.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    s.add_argument("--time-budget", type=float, help="seconds of training: fewer steps if the measured pace needs it")
+    s.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (default: no limit)")
+    s.add_argument("--time-budget", type=float, help="seconds of training: fewer steps if the measured pace needs it "
+                   "(default: no limit)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per step (one packed forward)")
     s.add_argument("--anchors", type=int, default=512,
                    help="blocks per sequence at most, re-sampled each epoch (≥ the response length: every position)")
