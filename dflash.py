@@ -186,8 +186,10 @@ class GroupedDynamicCausalConv(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         H, C, self.groups = cfg.hidden_size, cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size
-        self.base_kernel = nn.Parameter(torch.zeros(2, C, H))                          # (2, C, H): before, after
+        # made as the identity (tap 0 is 1, the rest and the dynamic taps 0): a DFlash layer's output
+        self.base_kernel = nn.Parameter(F.pad(torch.ones(2, 1, H), (0, 0, 0, C - 1)))    # (2, C, H): before, after
         self.kernel_projection = nn.Linear(H, 2 * C * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
 
     def forward(self, a, sublayer, block: int):
         """a (..., W, H), a sublayer's normed input; sublayer (..., W, H) -> (..., W, H)."""
