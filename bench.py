@@ -29,6 +29,7 @@ if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends
     import sys
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 
+import dataclasses
 import json
 import platform
 import statistics
@@ -74,9 +75,15 @@ def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
         block_size=shape["block_size"], mask_token_id=shape["vocab_size"] - 1, target_layer_ids=shape["layer_ids"],
         rope_thetas=[1e6] * shape["draft_layers"], causal=[False] * shape["draft_layers"],
         windows=[None] * shape["draft_layers"])
+    # the same backbone as DFlash2 (spec §9's default sizes): convolutions around each sublayer, a selector
+    dcfg2 = dataclasses.replace(dcfg, conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16,
+                                vocab_size=shape["vocab_size"])
     with torch.device(device):
         drafter = dflash.Drafter(dcfg).to(dtype).eval().requires_grad_(False)
-    return target, drafter
+        drafter2 = dflash.Drafter(dcfg2).to(dtype).eval().requires_grad_(False)
+        for p in drafter2.candidate_selector.parameters():   # random codebooks: the walk's picks vary
+            p.normal_(std=0.02)
+    return target, drafter, drafter2
 
 
 def inductor_settings() -> dict:
@@ -280,14 +287,14 @@ def main(argv=None):
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--skip", default="", help="comma-separated rows to skip: fast, layers, dflash-ref, "
-                   "hf-eager, hf-static-compile")
+    p.add_argument("--skip", default="", help="comma-separated rows to skip: fast, dflash2 (the DFlash2 drafter "
+                   "of the same backbone beside the DFlash one), layers, dflash-ref, hf-eager, hf-static-compile")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="also print the kernels of the graphed AR and DFlash steps")
     p.add_argument("--profile-eager", action="store_true",
                    help="also profile the eager rows: a dflash.py step and an HF generate token")
     args = p.parse_args(argv)
-    skip = skipped(args.skip, ("fast", "layers", "dflash-ref", "hf-eager", "hf-static-compile"))
+    skip = skipped(args.skip, ("fast", "dflash2", "layers", "dflash-ref", "hf-eager", "hf-static-compile"))
     shape = SHAPES[args.shape]
     dflash.require(args.prompt_len >= 1, f"--prompt-len = {args.prompt_len} must be at least 1")
     dflash.require(args.new_tokens >= MIN_NEW_TOKENS, f"--new-tokens = {args.new_tokens} must be at least "
@@ -298,7 +305,7 @@ def main(argv=None):
                    f"for the HF rows) leaves no room for a block in the target's {MAX_POSITIONS} positions")
     require_out_dir(args.out)
     dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
-    target, drafter = build_pair(shape)
+    target, drafter, drafter2 = build_pair(shape)
     K = shape["block_size"] - 1
     prompt = torch.randint(0, shape["vocab_size"] - 1, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     context = args.prompt_len + args.new_tokens // 2
@@ -307,6 +314,8 @@ def main(argv=None):
     lm_head = param_bytes(target.get_output_embeddings())
     ar_bytes = param_bytes(target, skip=("embed_tokens",)) + kv_bytes(target, context)
     draft_bytes = param_bytes(drafter) + lm_head   # the LM head is read again for the draft logits
+    # DFlash2's codebooks are read a row per candidate and step (K·k·r values), not whole
+    draft2_bytes = param_bytes(drafter2, skip=("codebook",)) + lm_head
     floor_ar, floor_step = ar_bytes / bandwidth * 1e3, (ar_bytes + draft_bytes) / bandwidth * 1e3
     conditions = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                       transformers=__import__("transformers").__version__, python=platform.python_version(),
@@ -339,8 +348,9 @@ def main(argv=None):
             files.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(value, indent=2)))
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
+    pairs = (("fast-ar", None), ("fast-dflash", drafter), ("fast-dflash2", drafter2))
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
-                for name, d in (("fast-ar", None), ("fast-dflash", drafter)) if "fast" not in skip}
+                for name, d in pairs if "fast" not in skip and not (name == "fast-dflash2" and "dflash2" in skip)}
     for name, dec in decoders.items():
         t0 = time.perf_counter()
         dec.generate(prompt, 8)   # compiles and captures the step
@@ -348,8 +358,9 @@ def main(argv=None):
         conditions["compile_and_capture_s"][name] = round(time.perf_counter() - t0, 1)
         fast = lambda target_, drafter_, ids, max_new, **kw: dec.generate(ids, max_new, **kw)
         times, gen = round_times(fast, target, dec.drafter, prompt, args.new_tokens)
+        floor = {"fast-ar": floor_ar, "fast-dflash": floor_step}.get(name, (ar_bytes + draft2_bytes) / bandwidth * 1e3)
         add(name + (" step" if dec.drafter is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
-            floor_step if dec.drafter is not None else floor_ar, speculative=dec.drafter is not None)
+            floor, speculative=dec.drafter is not None)
     def add_graph(row, dec, part, floor_bytes):   # one captured part replayed at the mid-generation context length
         with torch.inference_mode():   # a verify advances start: put it back before each replay, untimed
             ms = graph_time(dec.graphs[part].replay, before=lambda: dec.buf.start.fill_(context))
@@ -362,9 +373,12 @@ def main(argv=None):
             print("AR step:", end=" ")
             ar_profile = profile_step(ar)
             save()
+    dec2 = decoders.get("fast-dflash2")
     dec = decoders.get("fast-dflash")
     if dec is not None and dec.graphs:
         add_graph("  fast draft part", dec, "draft", draft_bytes)
+        if dec2 is not None and dec2.graphs:   # beside v1's: the same backbone with the convolutions and the walk
+            add_graph("  fast DFlash2 draft part", dec2, "draft", draft2_bytes)
         add_graph("  fast verify part", dec, "verify", ar_bytes)
         if args.profile:
             print("DFlash step:", end=" ")

@@ -40,7 +40,7 @@ def read_file(path: Path, what: str, reader=None):
 
 
 # Checkpoints a same-position DFlash reader would load wrong, silently: each is refused, naming why (spec §6).
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 UNSUPPORTED_KEYS = {   # key: (values that change nothing, what the drafter would need to honour any other)
     "use_swa": ((False,), "a window of swa_window_size keys on every layer"),
     "partial_rotary_factor": ((1, 1.0), "RoPE on part of each head"),
@@ -64,13 +64,9 @@ def config_value(raw: dict, name: str):
 def refuse_unsupported(raw: dict, nested: dict):
     """Refuse config keys that change the math this drafter implements, rather than ignore them."""
     architectures = raw.get("architectures") or []
-    dflash2 = [k for k in DFLASH2_KEYS if k in nested]
-    what = f"architectures {architectures}" if "DFlash2DraftModel" in architectures else f"dflash_config {dflash2}"
-    require("DFlash2DraftModel" not in architectures and not dflash2, f"draft config: a DFlash2 checkpoint ({what}) "
-            "is not supported yet: its convolution and selector weights have no place in a DFlash drafter")
-    known = all(a == "DFlashDraftModel" or "Laguna" in a for a in architectures)
+    known = all(a in ("DFlashDraftModel", "DFlash2DraftModel") or "Laguna" in a for a in architectures)
     require(bool(architectures) and known, f"draft config: 'architectures' = {architectures} is not a DFlash "
-            "drafter (DFlashDraftModel, or a Laguna DFlash drafter); refusing to guess its layout")
+            "drafter (DFlashDraftModel, DFlash2DraftModel, or a Laguna DFlash drafter); refusing to guess its layout")
     for name in ("sample_from_anchor", "shift_label"):
         value = config_value(raw, name)
         require(not value, f"draft config: '{name}' = {json.dumps(value)}: an anchor-first drafter (block row j "
@@ -104,6 +100,45 @@ def resolve_causal(raw: dict, nested: dict, sliding: list[bool]) -> list[bool]:
     override = next((v for v in (raw.get("is_causal"), nested.get("is_causal"), nested.get("causal"))
                      if v is not None), None)
     return list(sliding) if override is None else [bool(override)] * len(sliding)
+
+
+def is_dflash2(raw: dict) -> bool:
+    """A DFlash2 drafter (convolutions and a candidate selector, spec §9): its architecture, or any of its four
+    dflash_config keys, says so; read as DFlash, its extra weights would be dropped."""
+    return "DFlash2DraftModel" in (raw.get("architectures") or []) or \
+        any(k in (raw.get("dflash_config") or {}) for k in DFLASH2_DEFAULTS)
+
+
+def dflash2_sizes(raw: dict, H: int) -> dict:
+    """DraftConfig's DFlash2 fields from the config (dflash_config first, then the top level, else the
+    defaults), checked against the hidden size; empty for a DFlash drafter."""
+    if not is_dflash2(raw):
+        return {}
+    sizes = {}
+    for name, default in DFLASH2_DEFAULTS.items():
+        value = config_value(raw, name)
+        sizes[name] = default if value is None else value
+        require(type(sizes[name]) is int and sizes[name] >= 1, f"draft config: '{name}' = {json.dumps(value)} "
+                "must be a positive integer")
+    require(H % sizes["conv_group_size"] == 0, f"draft config: 'conv_group_size' = {sizes['conv_group_size']} "
+            f"does not divide hidden_size {H} (the dynamic taps are one per group of channels)")
+    vocab = config_value(raw, "vocab_size")
+    require(type(vocab) is int and vocab >= 1, f"draft config: 'vocab_size' = {json.dumps(vocab)}: a DFlash2 "
+            "drafter's codebooks need the vocabulary's size")
+    return sizes | {"vocab_size": vocab}
+
+
+def logit_scales(raw: dict) -> dict:
+    """input_embedding_scale, output_multiplier and final_logit_softcapping where the config sets them."""
+    found = {name: config_value(raw, name) for name in ("input_embedding_scale", "output_multiplier",
+                                                         "final_logit_softcapping")}
+    for name, value in found.items():
+        require(value is None or (type(value) in (int, float) and 0 <= value < float("inf")),
+                f"draft config: '{name}' = {json.dumps(value)} must be a finite number ≥ 0")
+    scales = {name: float(value) for name, value in found.items() if value is not None}
+    if not scales.get("final_logit_softcapping"):   # 0 or absent: no capping
+        scales.pop("final_logit_softcapping", None)
+    return scales
 
 
 def is_laguna(raw: dict) -> bool:
@@ -171,7 +206,7 @@ def load_draft_config(raw: dict, num_target_layers: int, fc_in_features: int) ->
         mask_token_id=int(key("mask_token_id")), target_layer_ids=[int(i) for i in layer_ids],
         rope_thetas=[float(t) for t in thetas], causal=resolve_causal(raw, nested, sliding),
         windows=[window if s else None for s in sliding], gated=laguna, capture_norms=laguna,
-        norm_context=laguna)
+        norm_context=laguna, **dflash2_sizes(raw, H), **logit_scales(raw))
 
 
 def checkpoint_tensors(drafter: Drafter, raw: dict) -> dict[str, torch.Tensor]:
@@ -227,6 +262,8 @@ def load_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: str) 
     for name, want in (("target_hidden_size", tcfg.hidden_size), ("draft_vocab_size", rows)):
         value = config_value(raw, name)
         require(value in (None, want), f"draft config: '{name}' = {value} but the target's is {want}")
+    require(not cfg.selector_rank or cfg.vocab_size == rows, f"draft config: 'vocab_size' = {cfg.vocab_size} but "
+            f"the target has {rows} embedding rows (a DFlash2 selector's codebooks have one row per token)")
     require(0 <= cfg.mask_token_id < rows, f"draft config: 'mask_token_id' = {cfg.mask_token_id} is outside "
             f"the target's {rows} embedding rows")
 

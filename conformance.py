@@ -163,13 +163,13 @@ def record_reference(target, drafter, request: dict, generate=None):
         rec.last_hidden = real["draft_block"](drafter_, ctx, block_embeds)
         return rec.last_hidden
 
-    def propose(drafter_, ctx, block, target_, count):
-        drafts = real["propose"](drafter_, ctx, block, target_, count)
+    def propose(drafter_, ctx, block, target_, count, sampling, uniforms):
+        drafts, q = real["propose"](drafter_, ctx, block, target_, count, sampling, uniforms)
         rec.put_readout(rec.calls, rec.last_hidden, target_)
-        return drafts
+        return drafts, q
 
-    def verify(drafts, logits, sampling, uniforms):
-        accepted, token = real["verify"](drafts, logits, sampling, uniforms)
+    def verify(drafts, logits, sampling, uniforms, draft_probs=None):
+        accepted, token = real["verify"](drafts, logits, sampling, uniforms, draft_probs)
         r = rec.calls - 1
         rec.put("uniforms", r, uniforms)
         if r > 0:

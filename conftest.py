@@ -30,7 +30,7 @@ HERE = Path(__file__).parent
 VOCAB, MAX_POS = 96, 256
 H, T_LAYERS = tiny.H, tiny.T_LAYERS
 FAMILIES = ["qwen3", "llama", "laguna"]
-FORMATS = ["zlab", "zlab-new", "laguna"]
+FORMATS = ["zlab", "zlab-new", "laguna", "dflash2"]
 settings.register_profile("default", deadline=None, max_examples=25,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile("default")
@@ -169,14 +169,14 @@ def helped(real_propose, reference, prompt_len, start_of, seed):
     drafter's own context. `start_of(state)` reads the bonus position from either file's state."""
     import random
 
-    def propose(drafter, state, block, target, count):
-        drafts = real_propose(drafter, state, block, target, count).clone()
-        start = int(start_of(state))
+    def propose(drafter, state, block, target, count, *sampling):
+        drafts, q = real_propose(drafter, state, block, target, count, *sampling)
+        drafts, start = drafts.clone(), int(start_of(state))
         r = random.Random(seed * 100003 + start).randint(0, len(block) - 1)   # by the block: both files' width
         for i in range(min(r, len(drafts))):
             if start + 1 + i - prompt_len < len(reference):
                 drafts[i] = reference[start + 1 + i - prompt_len]
-        return drafts
+        return drafts, q
     return propose
 
 

@@ -61,6 +61,14 @@ class DraftConfig:
     gated: bool = False              # per-head softplus gate g_proj before o_proj (Laguna)
     capture_norms: bool = False      # an RMSNorm per captured layer before fc (Laguna's aux_hidden_norms)
     norm_context: bool = False       # each layer's input norm applied to the context before k/v (Laguna)
+    conv_kernel_size: int = 0        # C taps of the convolution around each sublayer (DFlash2); 0: none
+    conv_group_size: int = 16        # g channels that share one dynamic tap
+    selector_rank: int = 0           # r of the candidate selector's pair term (DFlash2); 0: drafts are the argmax
+    selector_top_k: int = 16         # k candidates the selector walks among
+    vocab_size: int = 0              # V rows of the selector's codebooks: the target's vocabulary
+    input_embedding_scale: float = 1.0   # block embeddings: the target's embedding rows times this
+    output_multiplier: float = 1.0       # draft logits: the target's LM head times this,
+    final_logit_softcapping: float | None = None   # then s·tanh(l / s)
 
 
 def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -157,6 +165,46 @@ class DraftMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def convolve(x, taps, base, block: int):
+    """DFlash2's grouped dynamic causal convolution of rows x (..., W, H), W a multiple of `block`, restarting
+    at each block (its first row sees zeros before it): out[t, c] = Σ_o (base[o, c] + taps[t, o, c // g]) ·
+    x[t − o, c], taps (..., W, C, G) indexed by the output row t, base (C, H) in x's dtype, g = H / G."""
+    C, g = base.shape[0], x.shape[-1] // taps.shape[-1]
+    rows = x.unflatten(-2, (-1, block))                                                 # (..., W/B, B, H)
+    taps = taps.repeat_interleave(g, -1).unflatten(-3, (-1, block))                     # (..., W/B, B, C, H)
+    out = torch.zeros_like(rows)
+    for o in range(C):
+        earlier = F.pad(rows, (0, 0, o, 0))[..., :block, :]                            # x[t − o], 0 before the block
+        out = out + (base[o].to(x.dtype) + taps[..., o, :]) * earlier
+    return out.flatten(-3, -2)                                                          # (..., W, H)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash2, around a sublayer: its normed input a goes through a convolution, the sublayer, and a second
+    convolution, both taps from a: over the block's rows only, never the context (which enters K/V as it is)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        H, C, self.groups = cfg.hidden_size, cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size
+        # made as the identity (tap 0 is 1, the rest and the dynamic taps 0): a DFlash layer's output
+        self.base_kernel = nn.Parameter(F.pad(torch.ones(2, 1, H), (0, 0, 0, C - 1)))    # (2, C, H): before, after
+        self.kernel_projection = nn.Linear(H, 2 * C * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def forward(self, a, sublayer, block: int):
+        """a (..., W, H), a sublayer's normed input; sublayer (..., W, H) -> (..., W, H)."""
+        taps = self.kernel_projection(a).unflatten(-1, (2, -1, self.groups))            # (..., W, 2, C, G)
+        z = sublayer(convolve(a, taps[..., 0, :, :], self.base_kernel[0], block))
+        return convolve(z, taps[..., 1, :, :], self.base_kernel[1], block)
+
+
+class NoConv(nn.Module):
+    """A DFlash (v1) layer's place for the convolution: the sublayer on its input as it is."""
+
+    def forward(self, a, sublayer, block: int):
+        return sublayer(a)
+
+
 class DraftLayer(nn.Module):
     """One pre-norm decoder layer over the block, the context injected as extra keys and values."""
 
@@ -169,6 +217,9 @@ class DraftLayer(nn.Module):
         # Laguna normalises the context with this layer's own input norm before k/v; z-lab does not (spec §3).
         self.context_norm = self.input_layernorm if cfg.norm_context else nn.Identity()
         self.causal, self.window = cfg.causal[layer], cfg.windows[layer]   # this layer's mask rule
+        # DFlash2 convolves around the attention and the MLP (spec §9)
+        self.attention_conv = GroupedDynamicCausalConv(cfg) if cfg.conv_kernel_size else NoConv()
+        self.mlp_conv = GroupedDynamicCausalConv(cfg) if cfg.conv_kernel_size else NoConv()
 
     def context_kv(self, c, tables):
         """KV injection: context rows c (..., S, H), their rope tables -> keys, values (..., hk, S, d)."""
@@ -176,9 +227,41 @@ class DraftLayer(nn.Module):
         kv = F.linear(self.context_norm(c), attn.qkv_proj.weight[attn.kv_rows])       # (..., S, 2·hk·d)
         return attn.keys_values(kv, tables[attn.rope_theta])
 
-    def forward(self, x, tables, context, mask):
-        x = x + self.self_attn(self.input_layernorm(x), tables[self.self_attn.rope_theta], context, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, tables, context, mask, block: int):
+        attention = lambda u: self.self_attn(u, tables[self.self_attn.rope_theta], context, mask)
+        x = x + self.attention_conv(self.input_layernorm(x), attention, block)
+        return x + self.mlp_conv(self.post_attention_layernorm(x), self.mlp, block)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's draft walk: each draft row's k likeliest tokens, scored by their logit plus a low-rank term
+    between the token picked before (from the anchor on) and the candidate, picked left to right: the argmax
+    at temperature 0, else drawn from q = softmax(scores / T). A greedy walk, not a search."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.selector_rank))   # (V, r)
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.selector_rank))     # (V, r)
+
+    def forward(self, hidden, logits, anchor, temperature: float, uniforms):
+        """Final-normed draft rows hidden (N, H), their logits (N, V), the anchor id, a uniform per row for
+        T > 0 -> drafts (N,), candidates (N, k), and q (N, k) each draft was drawn from (None at T = 0)."""
+        unary, candidates = logits.topk(self.top_k, dim=-1)                            # (N, k)
+        u = self.hidden_projection(hidden)                                              # (N, r)
+        previous, drafts, qs = anchor, [], []
+        for t in range(len(hidden)):
+            pair = self.successor_codebook[candidates[t]] @ (self.predecessor_codebook[previous] * u[t])   # (k,)
+            scores = unary[t] + pair                                                    # (k,)
+            if temperature == 0:
+                pick = scores.argmax()
+            else:
+                qs.append((scores.to(torch.promote_types(scores.dtype, torch.float32)) / temperature).softmax(-1))
+                pick = sample(qs[-1], uniforms[t])
+            previous = candidates[t, pick]
+            drafts.append(previous)
+        return torch.stack(drafts), candidates, torch.stack(qs) if qs else None
 
 
 class Drafter(nn.Module):
@@ -193,6 +276,7 @@ class Drafter(nn.Module):
         self.fc, self.hidden_norm = nn.Linear(n * H, H, bias=False), RMSNorm(H, eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, l) for l in range(cfg.num_layers))
         self.norm = RMSNorm(H, eps)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.selector_rank else None   # DFlash2
 
     def project_context(self, features):
         """Captured features (..., S, n·H) -> context c (..., S, H), the same for every layer."""
@@ -205,14 +289,23 @@ class Drafter(nn.Module):
         """A rope_table at positions (..., N) for each RoPE base the layers use."""
         return {t: rope_table(positions, t, self.config.head_dim, dtype) for t in set(self.config.rope_thetas)}
 
-    def forward(self, x, tables, context, masks):
-        """Block embeddings x (..., W, H) with the rope_tables of their positions, each layer's context and
-        mask -> (..., W, H). The caller makes the tables: made inside a compiled forward, inductor would
-        recompute their float64 cos, sin and pow in every kernel that reads them, for every element of
-        q and k, forward and backward."""
+    def forward(self, x, tables, context, masks, block: int):
+        """Block embeddings x (..., W, H), W a multiple of `block` rows, with the rope_tables of their
+        positions, each layer's context and mask -> (..., W, H). The caller makes the tables: made inside a
+        compiled forward, inductor would recompute their float64 cos, sin and pow in every kernel that reads
+        them, for every element of q and k, forward and backward."""
         for layer, layer_context, mask in zip(self.layers, context, masks):
-            x = layer(x, tables, layer_context, mask)
+            x = layer(x, tables, layer_context, mask, block)
         return self.norm(x)
+
+    def draft_logits(self, hidden, head):
+        """Final-normed rows (..., N, H) through the target's LM head -> logits (..., N, V), times
+        output_multiplier and softcapped where the config says so."""
+        cfg = self.config
+        logits = head(hidden) * cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits
 
 
 # -----------------------------------------------------------------------------
@@ -316,15 +409,35 @@ def draft_block(drafter: Drafter, ctx: DraftContext, block_embeds):
     positions = key_positions[ctx.length:]                                              # (W,)
     masks = [attention_mask(positions, key_positions, layer.causal, layer.window) for layer in drafter.layers]
     tables = drafter.rope_tables(positions, block_embeds.dtype)
-    return drafter(block_embeds, tables, list(zip(ctx.keys, ctx.values)), masks)
+    return drafter(block_embeds, tables, list(zip(ctx.keys, ctx.values)), masks, block=len(block_embeds))
 
 
-def propose(drafter: Drafter, ctx: DraftContext, block, target, count: int):
-    """Greedy drafts for block ids (W,) = [bonus, m, ..., m]: the target's LM head argmax of rows 1..count,
-    no shift. Every row of the block is computed (its rows attend to each other); only the `count` drafts
+def embed_block(drafter: Drafter, block, target):
+    """Block ids (W,) = [bonus, m, ..., m] -> the target's embedding rows times input_embedding_scale (W, H)."""
+    return F.embedding(block, target.get_input_embeddings().weight) * drafter.config.input_embedding_scale
+
+
+def read_drafts(drafter: Drafter, hidden, target, anchor, sampling, uniforms):
+    """The draft rows (N, H) after the bonus -> drafts (N,), and q (N, V), the distribution each was drawn
+    from, or None for the argmax (q one-hot). A DFlash2 drafter walks its candidates from the anchor (argmax
+    at T = 0, else drawn); a DFlash one proposes its argmax, or at T > 0 with sampling.drafts "sampled"
+    draws from its own processed distribution. uniforms (N,): one per draw."""
+    logits = drafter.draft_logits(hidden, target.get_output_embeddings())              # (N, V)
+    if drafter.candidate_selector is not None:
+        drafts, candidates, q = drafter.candidate_selector(hidden, logits, anchor, sampling.temperature, uniforms)
+        return drafts, None if q is None else torch.zeros_like(logits, dtype=q.dtype).scatter(-1, candidates, q)
+    if sampling.temperature == 0 or sampling.drafts == "argmax":
+        return logits.argmax(-1), None                                                  # (N,)
+    q = target_probs(logits, sampling)                                                  # (N, V)
+    return torch.stack([sample(q[i], uniforms[i]) for i in range(len(q))]), q
+
+
+def propose(drafter: Drafter, ctx: DraftContext, block, target, count: int, sampling, uniforms):
+    """Drafts (count,) and their q (read_drafts) for block ids (W,) = [bonus, m, ..., m], from rows
+    1..count, no shift. Every row of the block is computed (its rows attend to each other); only the drafts
     to verify go through the head, which costs by the row (V columns each)."""
-    hidden = draft_block(drafter, ctx, target.get_input_embeddings()(block))            # (W, H)
-    return target.get_output_embeddings()(hidden[1:1 + count]).argmax(-1)              # (count,)
+    hidden = draft_block(drafter, ctx, embed_block(drafter, block, target))            # (W, H)
+    return read_drafts(drafter, hidden[1:1 + count], target, block[0], sampling, uniforms)
 
 
 # -----------------------------------------------------------------------------
@@ -334,11 +447,13 @@ class Sampling:
     temperature: float = 0.0   # 0: greedy, an exact argmax
     top_p: float = 1.0         # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0             # keep the k most likely tokens; 0 keeps all
+    drafts: str = "argmax"     # a DFlash drafter's proposals at T > 0: "argmax", or "sampled" from its own p
 
     def __post_init__(self):
         require(self.temperature >= 0, f"--temperature = {self.temperature} must be ≥ 0")
         require(0 < self.top_p <= 1, f"--top-p = {self.top_p} must be in (0, 1]")
         require(self.top_k >= 0, f"--top-k = {self.top_k} must be ≥ 0")
+        require(self.drafts in ("argmax", "sampled"), f"--drafts = {self.drafts!r} must be argmax or sampled")
 
 
 def target_probs(logits, sampling: Sampling):
@@ -356,9 +471,11 @@ def target_probs(logits, sampling: Sampling):
     return probs
 
 
-def residual(probs, token):
-    """p with `token` removed; `sample` renormalises by the mass that is left."""
-    return probs.scatter(-1, token[None], 0.0)                                                      # (V,)
+def residual(p, q):
+    """Where a rejected draft's mass goes: max(p − q, 0), which `sample` renormalises; p itself where q covers
+    all of p (the residual sums to 0)."""
+    rest = (p - q).clamp(min=0)                                                                     # (V,)
+    return torch.where(rest.sum() > 0, rest, p)
 
 
 def sample(dist, u):
@@ -367,12 +484,13 @@ def sample(dist, u):
     return torch.searchsorted(cdf, (u * cdf[-1])[None], right=True)[0].clamp(max=len(dist) - 1)
 
 
-def verify(drafts, logits, sampling: Sampling, uniforms) -> tuple[int, int]:
+def verify(drafts, logits, sampling: Sampling, uniforms, draft_probs=None) -> tuple[int, int]:
     """Accept a prefix of the drafts (k,) against target logits (k+1, V), row i the target's distribution where
     d_{i+1} stands -> (accepted a, next token). Greedy: d_i is accepted while it is the target's argmax; the next
-    token is row a's argmax. Sampling is rejection sampling with the one-hot proposal δ(d_i): accept d_i with
-    probability p(d_i); at the first rejection draw from p with d_i removed, renormalised; if all pass, from p_k.
-    Exact: P(x) = p(d)·[x = d] + (1 − p(d))·p(x)[x ≠ d]/(1 − p(d)) = p(x), whatever the drafter proposed.
+    token is row a's argmax. Sampling is rejection sampling with the distribution q the drafts were drawn from
+    (draft_probs (k, V); None: the argmax, q one-hot): accept d_i with probability min(1, p(d_i) / q(d_i)); at
+    the first rejection draw from max(p − q, 0) renormalised; if all pass, from p_k. Exact for any q:
+    P(x) = q(x)·min(1, p(x)/q(x)) + (1 − Σ_y min(p(y), q(y)))·max(p(x) − q(x), 0)/Σ_y max(p(y) − q(y), 0) = p(x).
     uniforms (≥ k+1,): uniforms[i] decides d_{i+1}, uniforms[-1] the draw."""
     k = len(drafts)
     if sampling.temperature == 0:
@@ -381,10 +499,13 @@ def verify(drafts, logits, sampling: Sampling, uniforms) -> tuple[int, int]:
         accepted = int(matches.cumprod(0).sum())   # cumprod zeroes everything after the first miss
         return accepted, int(target_tokens[accepted])
     probs = target_probs(logits, sampling)                                                        # (k+1, V)
+    if draft_probs is None:   # the argmax proposal: q one-hot at each draft
+        draft_probs = torch.zeros_like(probs[:-1]).scatter(-1, drafts[:, None], 1.0)              # (k, V)
     p_draft = probs[:-1].gather(-1, drafts[:, None])[:, 0]                                        # (k,)
-    matches = (uniforms[:k] < p_draft).long()                  # accept d_i with probability p(d_i)
+    q_draft = draft_probs.gather(-1, drafts[:, None])[:, 0].to(p_draft.dtype)                     # (k,)
+    matches = (uniforms[:k] * q_draft < p_draft).long()       # accept d_i with probability min(1, p / q)
     accepted = int(matches.cumprod(0).sum())
-    dist = residual(probs[accepted], drafts[accepted]) if accepted < k else probs[accepted]
+    dist = residual(probs[accepted], draft_probs[accepted].to(probs.dtype)) if accepted < k else probs[accepted]
     return accepted, int(sample(dist, uniforms[-1]))
 
 
@@ -450,7 +571,8 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
              seed: int | None = None) -> Generation:
     """DFlash decoding: greedy output equals the target's greedy decode, sampled tokens have its distribution.
     drafter=None runs the target alone through this loop (K = 0); full_block computes all B drafter rows (z-lab),
-    else K+1; on_tokens(list[int]) gets each round's tokens; seed fixes the K+1 uniforms of each verification."""
+    else K+1; on_tokens(list[int]) gets each round's tokens; seed fixes the uniforms: K for the drafts of a round
+    where they are drawn (T > 0 with a DFlash2 drafter, or sampling.drafts "sampled"), then K+1 to verify it."""
     if drafter is None:
         K = 0
     else:
@@ -463,14 +585,16 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
         generator.seed()
     else:
         generator.manual_seed(seed)
-    uniforms = lambda: torch.rand(K + 1, generator=generator, device=device, dtype=torch.float64)  # (K+1,)
+    uniforms = lambda n: torch.rand(n, generator=generator, device=device, dtype=torch.float64)   # (n,)
+    draws_drafts = drafter is not None and sampling.temperature > 0 and \
+        (drafter.candidate_selector is not None or sampling.drafts == "sampled")
 
     with closing(Capture(target, [] if drafter is None else drafter.config.target_layer_ids)) as capture:
         # Prefill: target logits for the first token and captured features for the whole prompt. A plain
         # DynamicCache keeps every layer whole, so it crops; sliding layers get their window from the mask.
         cache, prompt = DynamicCache(), torch.tensor(prompt_ids, device=device)         # prompt (P,)
         logits, features = target_forward(target, prompt, 0, cache, capture)            # (P, V), (P, n·H)
-        _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms())   # no drafts: argmax or a draw
+        _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms(K + 1))   # no drafts: argmax or a draw
         out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
         try:   # Ctrl-C from here on: what was committed comes back with the exception
             on_tokens([bonus])
@@ -484,12 +608,14 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
             while bonus not in stops and len(out.tokens) < max_new_tokens:
                 k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
                 bonus_id = torch.tensor([bonus], device=device)                             # (1,)
-                drafts = torch.empty(0, dtype=torch.long, device=device)                    # (k,)
+                drafts, q = torch.empty(0, dtype=torch.long, device=device), None           # (k,), (k, V)
+                draft_uniforms = uniforms(K) if draws_drafts else None                      # (K,)
                 if k > 0:
-                    drafts = propose(drafter, ctx, torch.cat([bonus_id, mask_ids]), target, k)   # block (W,)
+                    drafts, q = propose(drafter, ctx, torch.cat([bonus_id, mask_ids]), target, k, sampling,
+                                        draft_uniforms)                                     # block (W,)
 
                 logits, features = target_forward(target, torch.cat([bonus_id, drafts]), start, cache, capture)
-                accepted, next_token = verify(drafts, logits, sampling, uniforms())         # logits (k+1, V)
+                accepted, next_token = verify(drafts, logits, sampling, uniforms(K + 1), q)  # logits (k+1, V)
                 cache.crop(accepted - len(drafts))   # a count ≤ 0: the k − a rejected drafts' K/V go
                 if drafter is not None:   # the bonus and the accepted rows (a+1, n·H): the context lags by one
                     append_context(drafter, ctx, drafter.project_context(features[:accepted + 1]))

@@ -75,10 +75,13 @@ class Buffers:
     target_values: list[torch.Tensor]  # T × (hk, C, d)
     ctx_keys: list[torch.Tensor]       # L × (hk, C+W, d) the drafter's context keys after k_norm and RoPE;
     ctx_values: list[torch.Tensor]     # L × (hk, C+W, d) while a block drafts, its own k/v at its slots
+    draft_uniforms: torch.Tensor | None = None   # (K,)   float64 uniforms of the drafts' draws, where drafts are drawn
+    draft_probs: torch.Tensor | None = None      # (K, V) the q each draft was drawn from, there
 
     def tensors(self) -> list[torch.Tensor]:
+        drawn = [] if self.draft_probs is None else [self.draft_uniforms, self.draft_probs]
         return [self.start, self.max_accept, self.uniforms, self.verify_ids, self.result, *self.target_keys,
-                *self.target_values, *self.ctx_keys, *self.ctx_values]
+                *self.target_values, *self.ctx_keys, *self.ctx_values, *drawn]
 
 
 def zeros(count: int, shape, like: torch.Tensor) -> list[torch.Tensor]:
@@ -302,18 +305,25 @@ def draft_layer(layer, gate_up, ctx_keys, ctx_values, x, table, positions, first
     into the layer's context keys/values (hk, C+W, d) at those slots, each row seeing the slots
     first..last (W,; from 0 where first is None) -> x after the layer; [gate; up] as the fused gate_up."""
     attn, W, d = layer.self_attn, len(x), ctx_keys.shape[-1]
-    u = layer.input_layernorm(x)                                                        # (W, H)
-    q, k, v = (u @ attn.qkv_proj.weight.T).view(W, -1, d).split(attn.heads, 1)          # (W, h|hk, d)
-    q, k = rope(attn.q_norm(q), table), rope(attn.k_norm(k), table)
-    ctx_keys.index_copy_(1, positions, k.transpose(0, 1))                              # (hk, W, d) at the block's slots
-    ctx_values.index_copy_(1, positions, v.transpose(0, 1))
-    o = attend_upto(q[None], ctx_keys[None], ctx_values[None], last[None], d ** -0.5,
-                    None if first is None else first[None]).view(W, -1, d)              # (W, h, d)
-    if attn.g_proj is not None:
-        o = dflash.gate(attn.g_proj(u), o)
-    x = x + attn.o_proj(o.reshape(W, -1))                                               # (W, H)
-    gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, dim=-1)
-    return x + layer.mlp.down_proj(F.silu(gate) * up)                                   # (W, H)
+
+    def attention(u):                                                                   # (W, H) -> (W, H)
+        q, k, v = (u @ attn.qkv_proj.weight.T).view(W, -1, d).split(attn.heads, 1)      # (W, h|hk, d)
+        q, k = rope(attn.q_norm(q), table), rope(attn.k_norm(k), table)
+        ctx_keys.index_copy_(1, positions, k.transpose(0, 1))                          # (hk, W, d) at the block's slots
+        ctx_values.index_copy_(1, positions, v.transpose(0, 1))
+        o = attend_upto(q[None], ctx_keys[None], ctx_values[None], last[None], d ** -0.5,
+                        None if first is None else first[None]).view(W, -1, d)          # (W, h, d)
+        if attn.g_proj is not None:
+            o = dflash.gate(attn.g_proj(u), o)
+        return attn.o_proj(o.reshape(W, -1))
+
+    def mlp(u):                                                                         # (W, H) -> (W, H)
+        gate, up = (u @ gate_up.T).chunk(2, dim=-1)
+        return layer.mlp.down_proj(F.silu(gate) * up)
+
+    # the layer's DFlash2 convolutions around each sublayer (a DFlash layer's NoConv: none), as dflash.py's
+    x = x + layer.attention_conv(layer.input_layernorm(x), attention, W)
+    return x + layer.mlp_conv(layer.post_attention_layernorm(x), mlp, W)               # (W, H)
 
 
 def visible_slots(positions, causal: bool, window: int | None):
@@ -343,18 +353,19 @@ def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
     return drafter.module.norm(x)                                                       # (W, H)
 
 
-def propose(drafter: FusedDrafter, buf: Buffers, block, target, count: int):
-    """Greedy drafts for block ids (W,): rows 1..count through the target's LM head, as dflash.propose."""
-    hidden = draft_block(drafter, buf, target.get_input_embeddings()(block))           # (W, H)
-    return target.get_output_embeddings()(hidden[1:1 + count]).argmax(-1)             # (count,)
+def propose(drafter: FusedDrafter, buf: Buffers, block, target, count: int, sampling: Sampling, uniforms):
+    """dflash.propose over the static context: drafts (count,) and their q (count, V) or None."""
+    hidden = draft_block(drafter, buf, dflash.embed_block(drafter.module, block, target))   # (W, H)
+    return dflash.read_drafts(drafter.module, hidden[1:1 + count], target, block[0], sampling, uniforms)
 
 
 # -----------------------------------------------------------------------------
 # Verification on the device
 
-def verify(drafts, logits, sampling: Sampling, uniforms, max_accept):
-    """dflash.verify on the device with fixed shapes: drafts (K,), logits (K+1, V). Acceptance is
-    capped at `max_accept` drafts; returns (accepted, next token) as 0-d tensors, with no sync."""
+def verify(drafts, logits, sampling: Sampling, uniforms, max_accept, draft_probs=None):
+    """dflash.verify on the device with fixed shapes: drafts (K,), logits (K+1, V), their q (K, V) or None
+    (one-hot). Acceptance is capped at `max_accept` drafts; returns (accepted, next token) as 0-d tensors,
+    with no sync."""
     K = len(drafts)
     if sampling.temperature == 0:
         target_tokens = logits.argmax(-1)                                                 # (K+1,)
@@ -362,12 +373,15 @@ def verify(drafts, logits, sampling: Sampling, uniforms, max_accept):
         accepted = torch.minimum(matches.cumprod(0).sum(), max_accept)   # cumprod: zero after a miss
         return accepted, target_tokens.gather(0, accepted[None])[0]
     probs = dflash.target_probs(logits, sampling)                                         # (K+1, V)
+    if draft_probs is None:   # the argmax proposal: q one-hot at each draft
+        draft_probs = torch.zeros_like(probs[:-1]).scatter(-1, drafts[:, None], 1.0)      # (K, V)
     p_draft = probs[:-1].gather(-1, drafts[:, None])[:, 0]                                # (K,)
-    run = (uniforms[:K] < p_draft).long().cumprod(0).sum()        # accept d_i with probability p(d_i)
+    q_draft = draft_probs.gather(-1, drafts[:, None])[:, 0].to(p_draft.dtype)             # (K,)
+    run = (uniforms[:K] * q_draft < p_draft).long().cumprod(0).sum()   # accept d_i with probability min(1, p/q)
     accepted = torch.minimum(run, max_accept)
     row = probs.index_select(0, accepted[None])[0]                                        # (V,) p_a
-    rejected = torch.cat([drafts, drafts.new_zeros(1)]).gather(0, accepted[None])[0]      # () d_{a+1}
-    dist = torch.where(run < max_accept, dflash.residual(row, rejected), row)   # a draft was rejected
+    q_row = torch.cat([draft_probs, draft_probs.new_zeros(1, probs.shape[-1])]).index_select(0, accepted[None])[0]   # (V,) q_{a+1}
+    dist = torch.where(run < max_accept, dflash.residual(row, q_row.to(row.dtype)), row)   # a draft was rejected
     return accepted, dflash.sample(dist, uniforms[-1])
 
 
@@ -419,10 +433,16 @@ class Decoder:
         # what the fused matrices and the context rows were copied from, checked before each request
         self.weights = [weight_state(m) for m in (target, drafter) if m is not None]
         self.closed = False
+        # drafts are drawn, not argmaxes: a DFlash2 drafter's walk at T > 0, or a DFlash one's with drafts "sampled"
+        self.draws_drafts = drafter is not None and sampling.temperature > 0 and \
+            (drafter.candidate_selector is not None or sampling.drafts == "sampled")
+        V = target.get_output_embeddings().weight.shape[0]
         self.buf = Buffers(start=counter(), max_accept=counter(), uniforms=counter(torch.float64, K + 1),
                            verify_ids=counter(n=K + 1), result=counter(n=2 * K + 2),
                            target_keys=self.target_stack.keys, target_values=self.target_stack.values,
-                           ctx_keys=ctx_keys, ctx_values=ctx_values)
+                           ctx_keys=ctx_keys, ctx_values=ctx_values,
+                           draft_uniforms=counter(torch.float64, K) if self.draws_drafts else None,
+                           draft_probs=counter(torch.float32, (K, V)) if self.draws_drafts else None)
         # The captured draft/verify graphs, captured on the first CUDA step; False: the parts run eagerly.
         self.graphs = None if self.device.type == "cuda" else False
 
@@ -454,14 +474,18 @@ class Decoder:
         """Draft K tokens into verify_ids[1:]."""
         buf = self.buf
         block = torch.cat([buf.verify_ids[:1], self.mask_ids])                          # (W,)
-        buf.verify_ids[1:] = propose(self.fused, buf, block, self.target, self.K)       # (K,)
+        drafts, q = propose(self.fused, buf, block, self.target, self.K, self.sampling, buf.draft_uniforms)
+        buf.verify_ids[1:] = drafts                                                     # (K,)
+        if q is not None:
+            buf.draft_probs.copy_(q)                                                    # (K, V)
 
     def verify_step(self):
         """Verify K+1 tokens with capture, accept on the device, append the context, advance."""
         buf, K = self.buf, self.K
         positions = buf.start + torch.arange(K + 1, device=self.device)                 # (K+1,)
         logits, features = self.target_stack.forward(buf.verify_ids, positions)         # (K+1, V)
-        accepted, bonus = verify(buf.verify_ids[1:], logits, self.sampling, buf.uniforms, buf.max_accept)
+        accepted, bonus = verify(buf.verify_ids[1:], logits, self.sampling, buf.uniforms, buf.max_accept,
+                                 buf.draft_probs)
         if self.drafter is not None:   # all K+1 rows; rows past `accepted` are masked, then overwritten
             append_context(self.fused, buf, self.drafter.project_context(features), positions)
         drafts = buf.verify_ids[1:]                                                     # (K,)
@@ -535,10 +559,11 @@ class Decoder:
                        f"{len(prompt_ids)} + {max_new_tokens} + {K} exceeds the buffer capacity {self.capacity}")
         stops, generator, on_tokens = set(stop_ids), torch.Generator(self.device), on_tokens or (lambda tokens: None)
         generator.seed() if seed is None else generator.manual_seed(seed)
-        # A kernel outside the graphs, with no sync: the graphs read the buffer.
-        draw_uniforms = lambda: torch.rand(K + 1, generator=generator, device=self.device, dtype=torch.float64,
-                                           out=buf.uniforms)
-        draw_uniforms()
+        # Kernels outside the graphs, with no sync: the graphs read the buffers. As dflash.generate: a round
+        # draws its drafts' K uniforms (where drafts are drawn), then the K+1 of its verification.
+        draw = lambda into: torch.rand(len(into), generator=generator, device=self.device, dtype=torch.float64,
+                                       out=into)
+        draw(buf.uniforms)
         bonus = self.prefill(prompt_ids)
         out = Generation(tokens=[bonus], position_accepted=[0] * K, position_drafted=[0] * K)
         try:   # Ctrl-C from here on: what was committed comes back with the exception
@@ -546,7 +571,9 @@ class Decoder:
             while bonus not in stops and len(out.tokens) < max_new_tokens:
                 k = min(K, max_new_tokens - len(out.tokens) - 1)   # never draft past max_new_tokens
                 buf.max_accept.fill_(k)
-                draw_uniforms()
+                if self.draws_drafts:
+                    draw(buf.draft_uniforms)
+                draw(buf.uniforms)
                 self.step()
                 result = buf.result.tolist()                      # the one host sync of the step
                 accepted = result[0]

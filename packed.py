@@ -287,5 +287,6 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     # cuDNN left out, as for the target: it plans every new shape, and each training step brings new ones
     # (H200, 32 sequences a step: 184 against 266 ms, p90 202 against 1,624)
     with sdpa_kernel(dflash.TARGET_ATTENTION):
-        hidden = drafter(rows_x, row_tables, context, [masks[layer.causal, layer.window] for layer in drafter.layers])
+        hidden = drafter(rows_x, row_tables, context, [masks[layer.causal, layer.window] for layer in drafter.layers],
+                         block=B)
     return hidden.view(Bt * P, B, H)[slots]                                           # (M, B, H)

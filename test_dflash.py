@@ -65,38 +65,66 @@ def rotate(x, positions, theta):
     return out
 
 
+def naive_conv(x, taps, base):
+    """DFlash2's convolution of one block written from the spec's formula: out[t, c] = Σ_o (base[o, c] +
+    taps[t, o, c // g]) · x[t − o, c], the rows before the block's first zero. x (W, H), taps (W, C, G)."""
+    (W, H), (C, G) = x.shape, taps.shape[1:]
+    out = torch.zeros_like(x)
+    for t in range(W):
+        for o in range(min(C, t + 1)):
+            for c in range(H):
+                out[t, c] += (base[o, c] + taps[t, o, c // (H // G)]) * x[t - o, c]
+    return out
+
+
+def around(conv, a, sublayer):
+    """A sublayer with a layer's DFlash2 convolutions before and after it (a DFlash layer: none)."""
+    if not isinstance(conv, dflash.GroupedDynamicCausalConv):
+        return sublayer(a)
+    C = conv.base_kernel.shape[1]
+    taps = (a @ conv.kernel_projection.weight.T).view(len(a), 2, C, -1)                # (W, 2, C, G)
+    return naive_conv(sublayer(naive_conv(a, taps[:, 0], conv.base_kernel[0])), taps[:, 1], conv.base_kernel[1])
+
+
 def naive_block(drafter, c, x):
     """The drafter layers computed query by query from the spec's text, recomputing context K/V."""
     cfg = drafter.config
-    S, W, hq, hk, d = len(c), len(x), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     rms = lambda t, w: w * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
     for l, layer in enumerate(drafter.layers):
-        attn = layer.self_attn
-        wq, wk, wv = attn.qkv_proj.weight.split([hq * d, hk * d, hk * d])
-        u = rms(x, layer.input_layernorm.weight)
-        cc = rms(c, layer.input_layernorm.weight) if cfg.norm_context else c
-        theta = cfg.rope_thetas[l]
-        q = rotate(rms((u @ wq.T).view(W, hq, d), attn.q_norm.weight), torch.arange(S, S + W), theta)
-        k = rotate(rms((torch.cat([cc, u]) @ wk.T).view(S + W, hk, d), attn.k_norm.weight),
-                   torch.arange(S + W), theta)
-        v = (torch.cat([cc, u]) @ wv.T).view(S + W, hk, d)
-        o = torch.zeros(W, hq, d, dtype=x.dtype)
-        for t in range(W):
-            qp = S + t
-            keys = [j for j in range(S + W)
-                    if (not cfg.causal[l] or j <= qp)
-                    and (cfg.windows[l] is None or abs(qp - j) < cfg.windows[l])]
-            if cfg.windows[l] is not None:
-                assert len(keys) <= cfg.windows[l]
-            for h in range(hq):
-                kv = h // (hq // hk)
-                p = torch.softmax(torch.stack([q[t, h] @ k[j, kv] for j in keys]) / math.sqrt(d), 0)
-                o[t, h] = sum(pj * v[j, kv] for pj, j in zip(p, keys))
-                if cfg.gated:
-                    o[t, h] *= F.softplus(attn.g_proj.weight[h] @ u[t])
-        x = x + o.reshape(W, -1) @ attn.o_proj.weight.T
-        x = x + layer.mlp(rms(x, layer.post_attention_layernorm.weight))
+        x = x + around(layer.attention_conv, rms(x, layer.input_layernorm.weight),
+                       lambda u: naive_attention(drafter, l, c, u))
+        x = x + around(layer.mlp_conv, rms(x, layer.post_attention_layernorm.weight), layer.mlp)
     return rms(x, drafter.norm.weight)
+
+
+def naive_attention(drafter, l, c, u):
+    """Layer l's attention of block rows u (W, H) over context c (S, H) and themselves, query by query."""
+    cfg, layer = drafter.config, drafter.layers[l]
+    S, W, hq, hk, d = len(c), len(u), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rms = lambda t, w: w * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    attn = layer.self_attn
+    wq, wk, wv = attn.qkv_proj.weight.split([hq * d, hk * d, hk * d])
+    cc = rms(c, layer.input_layernorm.weight) if cfg.norm_context else c
+    theta = cfg.rope_thetas[l]
+    q = rotate(rms((u @ wq.T).view(W, hq, d), attn.q_norm.weight), torch.arange(S, S + W), theta)
+    k = rotate(rms((torch.cat([cc, u]) @ wk.T).view(S + W, hk, d), attn.k_norm.weight),
+               torch.arange(S + W), theta)
+    v = (torch.cat([cc, u]) @ wv.T).view(S + W, hk, d)
+    o = torch.zeros(W, hq, d, dtype=u.dtype)
+    for t in range(W):
+        qp = S + t
+        keys = [j for j in range(S + W)
+                if (not cfg.causal[l] or j <= qp)
+                and (cfg.windows[l] is None or abs(qp - j) < cfg.windows[l])]
+        if cfg.windows[l] is not None:   # W keys ending at the query, or less than W away on either side
+            assert len(keys) <= (cfg.windows[l] if cfg.causal[l] else 2 * cfg.windows[l] - 1)
+        for h in range(hq):
+            kv = h // (hq // hk)
+            p = torch.softmax(torch.stack([q[t, h] @ k[j, kv] for j in keys]) / math.sqrt(d), 0)
+            o[t, h] = sum(pj * v[j, kv] for pj, j in zip(p, keys))
+            if cfg.gated:
+                o[t, h] *= F.softplus(attn.g_proj.weight[h] @ u[t])
+    return o.reshape(W, -1) @ attn.o_proj.weight.T
 
 
 def block_output(drafter, c, x):
@@ -112,6 +140,50 @@ def test_block_attention_matches_direct_computation(drafters, fmt, S):
     drafter = drafters("qwen3", fmt, 4)
     c, x = torch.randn(S, H, dtype=torch.float64), torch.randn(4, H, dtype=torch.float64)
     torch.testing.assert_close(block_output(drafter, c, x), naive_block(drafter, c, x), rtol=1e-10, atol=1e-10)
+
+
+def test_convolution_restarts_at_each_block():
+    """dflash.convolve over rows that hold several blocks equals the spec's formula on each block alone."""
+    g = torch.Generator().manual_seed(0)
+    B, H_, C, G = 5, 8, 3, 2
+    x = torch.randn(3 * B, H_, dtype=torch.float64, generator=g)                     # three blocks
+    taps = torch.randn(3 * B, C, G, dtype=torch.float64, generator=g)
+    base = torch.randn(C, H_, dtype=torch.float64, generator=g)
+    got = dflash.convolve(x, taps, base, B)
+    for b in range(3):
+        rows = slice(b * B, (b + 1) * B)
+        torch.testing.assert_close(got[rows], naive_conv(x[rows], taps[rows], base), rtol=1e-12, atol=1e-12)
+
+
+def test_selector_walks_its_candidates_from_the_anchor(drafters):
+    """DFlash2's selector from the spec's text: each draft row's k likeliest tokens scored by their logit
+    plus Σ_r A[prev, r]·u_t[r]·B[candidate, r], prev the anchor and then each pick (u the row's projection);
+    the argmax at T = 0, at T > 0 a draw from q = softmax(scores / T) by the inverse CDF of the row's
+    uniform, q kept. Every draft is one of its row's candidates."""
+    selector = drafters("qwen3", "dflash2", 4).candidate_selector
+    A, Bc, P = selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection.weight
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, H, dtype=torch.float64, generator=g)
+    logits = 3 * torch.randn(6, VOCAB, dtype=torch.float64, generator=g)
+    for temperature in (0.0, 0.7):
+        uniforms = torch.rand(6, dtype=torch.float64, generator=g)
+        drafts, candidates, q = selector(hidden, logits, torch.tensor(7), temperature, uniforms)
+        previous = 7
+        for t in range(6):
+            top = logits[t].topk(selector.top_k).indices
+            assert torch.equal(candidates[t], top)
+            u = P @ hidden[t]
+            scores = torch.stack([logits[t, b] + sum(A[previous, r] * u[r] * Bc[b, r] for r in range(len(u)))
+                                  for b in top])
+            if temperature == 0:
+                pick = int(scores.argmax())
+            else:
+                want = (scores / temperature).softmax(0)
+                torch.testing.assert_close(q[t], want, rtol=1e-12, atol=1e-12)
+                pick = int((want.cumsum(0) > uniforms[t] * want.sum()).nonzero()[0])
+            previous = int(top[pick])
+            assert int(drafts[t]) == previous
+        assert (q is None) == (temperature == 0)
 
 
 def test_window_matters_only_past_its_length(drafters):
@@ -184,7 +256,7 @@ def test_drafter_context_is_every_committed_token_but_the_bonus(targets, drafter
     reference = hf_greedy(target, prompt, 30)                      # the target's greedy continuation
     oracle, checked = oracle_double(reference, len(prompt), {len(prompt) + 4, len(prompt) + 9}), []
 
-    def checking_propose(drafter_, ctx, block, target_, count):
+    def checking_propose(drafter_, ctx, block, target_, count, *sampling):
         sequence = prompt + reference[:ctx.length - len(prompt) + 1]
         assert sequence[-1] == int(block[0])                      # the bonus is the last committed token
         _, features = forward_with_capture(target, torch.tensor(sequence[:-1]), drafter.config.target_layer_ids)
@@ -236,46 +308,49 @@ STAT_V, STAT_K, STAT_N = 6, 2, 20000
 
 def stat_tables(seed=0):
     """A synthetic target P(x | prefix) for prefixes of up to 3 tokens over 6 tokens, and an imperfect
-    drafter Q (P's logits plus noise) that is right about half the time."""
+    drafter Q (P's logits plus noise) whose argmax is right about half the time."""
     g = torch.Generator().manual_seed(seed)
     prefixes = [()] + [p + (x,) for p in [()] for x in range(STAT_V)]
     for _ in range(2):
         prefixes += [p + (x,) for p in prefixes if len(p) == len(prefixes[-1]) for x in range(STAT_V)]
     logits = {p: 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64) for p in prefixes}
-    drafts = {p: int((logits[p] + 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64)).argmax())
-              for p in prefixes}
-    return logits, drafts
+    draft_logits = {p: logits[p] + 1.5 * torch.randn(STAT_V, generator=g, dtype=torch.float64) for p in prefixes}
+    return logits, draft_logits
 
 
-def speculative_first_three(verify_fn, logits, drafts, sampling, generator):
-    """First 3 tokens of one sequence: the prefill draw, then rounds of K=2 argmax drafts verified by
-    `verify_fn(drafts, logits rows, uniforms)`, exactly as generate chains them."""
+def speculative_first_three(verify_fn, logits, draft_logits, sampled: bool, generator):
+    """First 3 tokens of one sequence: the prefill draw, then rounds of K=2 drafts verified by
+    `verify_fn(drafts, logits rows, uniforms, q)`, exactly as generate chains them. The drafts are Q's
+    argmax (q one-hot, None), or with `sampled` drawn from q = softmax(Q's logits), a uniform each."""
     u = torch.rand(STAT_K + 1, generator=generator, dtype=torch.float64)
-    _, first = verify_fn(torch.zeros(0, dtype=torch.long), logits[()][None], u)
+    _, first = verify_fn(torch.zeros(0, dtype=torch.long), logits[()][None], u, None)
     tokens = [int(first)]
     while len(tokens) < 3:
-        path, proposed = tuple(tokens), []
-        for _ in range(STAT_K):
-            proposed.append(drafts[path + tuple(proposed)] if len(path) + len(proposed) <= 3 else 0)
+        path, proposed, qs = tuple(tokens), [], []
+        draws = torch.rand(STAT_K, generator=generator, dtype=torch.float64)
+        for i in range(STAT_K):
+            q = draft_logits[(path + tuple(proposed))[:3]].softmax(-1)
+            proposed.append(int(dflash.sample(q, draws[i]) if sampled else q.argmax()))
+            qs.append(q)
         rows = torch.stack([logits[(path + tuple(proposed[:i]))[:3]] for i in range(STAT_K + 1)])
         u = torch.rand(STAT_K + 1, generator=generator, dtype=torch.float64)
-        accepted, nxt = verify_fn(torch.tensor(proposed), rows, u)
+        accepted, nxt = verify_fn(torch.tensor(proposed), rows, u, torch.stack(qs) if sampled else None)
         tokens += proposed[:int(accepted)] + [int(nxt)]
     return tuple(tokens[:3])
 
 
-def total_variation_vs_target(verify_fn, sampling):
+def total_variation_vs_target(verify_fn, sampling, sampled=False):
     """TV distance between the empirical joint of the first 3 tokens and the exact target joint, and
     a bound it stays under with probability ≥ 1 − 1e-6 when sampling is exact: E[TV] ≤ ½Σ√(p(1−p)/N)
     plus a McDiarmid deviation √(ln(1e6) / 2N)."""
-    logits, drafts = stat_tables()
+    logits, draft_logits = stat_tables()
     probs = lambda p: dflash.target_probs(logits[p][None], sampling)[0]
     exact = {(a, b, c): float(probs(())[a] * probs((a,))[b] * probs((a, b))[c])
              for a in range(STAT_V) for b in range(STAT_V) for c in range(STAT_V)}
     generator = torch.Generator().manual_seed(1)
     counts = {}
     for _ in range(STAT_N):
-        key = speculative_first_three(verify_fn, logits, drafts, sampling, generator)
+        key = speculative_first_three(verify_fn, logits, draft_logits, sampled, generator)
         counts[key] = counts.get(key, 0) + 1
     tv = 0.5 * sum(abs(counts.get(x, 0) / STAT_N - p) for x, p in exact.items())
     bound = 0.5 * sum(math.sqrt(p * (1 - p) / STAT_N) for p in exact.values()) + \
@@ -288,26 +363,29 @@ SAMPLINGS = [dflash.Sampling(1.0), dflash.Sampling(0.8, top_p=0.9, top_k=4)]
 
 
 def reference_verify(sampling):
-    return lambda drafts, rows, u: dflash.verify(drafts, rows, sampling, u)
+    return lambda drafts, rows, u, q: dflash.verify(drafts, rows, sampling, u, q)
 
 
 def fastpath_verify(sampling):
-    return lambda drafts, rows, u: fastpath.verify(drafts, rows, sampling, u, torch.tensor(len(drafts)))
+    return lambda drafts, rows, u, q: fastpath.verify(drafts, rows, sampling, u, torch.tensor(len(drafts)), q)
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.8-p0.9-k4"])
+@pytest.mark.parametrize("sampling,sampled", [(SAMPLINGS[0], False), (SAMPLINGS[1], False), (SAMPLINGS[1], True)],
+                         ids=["T1", "T0.8-p0.9-k4", "T0.8-p0.9-k4-drawn-drafts"])
 @pytest.mark.parametrize("make_verify", [reference_verify, fastpath_verify], ids=["dflash", "fastpath"])
-def test_speculative_sampling_matches_target_distribution(make_verify, sampling):
-    """With an imperfect drafter, the joint law of the first 3 tokens equals the target's (20k draws)."""
-    tv, bound = total_variation_vs_target(make_verify(sampling), sampling)
+def test_speculative_sampling_matches_target_distribution(make_verify, sampling, sampled):
+    """With an imperfect drafter, the joint law of the first 3 tokens equals the target's (20k draws), for
+    argmax drafts (q one-hot) and for drafts drawn from the drafter's own q, which q need not resemble p."""
+    tv, bound = total_variation_vs_target(make_verify(sampling), sampling, sampled)
     assert tv < bound, f"TV {tv:.4f} ≥ bound {bound:.4f}"
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["argmax-drafts", "drawn-drafts"])
 @pytest.mark.parametrize("make_verify", [reference_verify, fastpath_verify], ids=["dflash", "fastpath"])
-def test_sampling_without_the_residual_fails_the_same_check(make_verify):
-    """The same check catches a broken variant that redraws from p instead of p with d removed."""
-    with mock.patch.object(dflash, "residual", lambda probs, token: probs):
-        tv, bound = total_variation_vs_target(make_verify(SAMPLINGS[0]), SAMPLINGS[0])
+def test_sampling_without_the_residual_fails_the_same_check(make_verify, sampled):
+    """The same check catches a broken variant that redraws from p instead of max(p − q, 0)."""
+    with mock.patch.object(dflash, "residual", lambda p, q: p):
+        tv, bound = total_variation_vs_target(make_verify(SAMPLINGS[0]), SAMPLINGS[0], sampled)
     assert tv > bound, f"broken sampling passed: TV {tv:.4f} < bound {bound:.4f}"
 
 
@@ -329,13 +407,13 @@ def test_greedy_equals_target_greedy(targets, drafters, family, fmt, block_size,
 def oracle_double(reference: list[int], prompt_len: int, wrong_at: set[int], vocab=VOCAB):
     """A stand-in for `propose` that drafts the target's true continuation, made wrong at the
     absolute positions in `wrong_at`. The context length tells it where the block starts."""
-    def propose(drafter, ctx, block, target, count):
+    def propose(drafter, ctx, block, target, count, *sampling):
         start = ctx.length                                        # position of the bonus token
         drafts = []
         for pos in range(start + 1, start + len(block)):
             true = reference[pos - prompt_len] if pos - prompt_len < len(reference) else 0
             drafts.append((true + 1) % vocab if pos in wrong_at else true)
-        return torch.tensor(drafts[:count])
+        return torch.tensor(drafts[:count]), None                 # proposed as argmaxes
     return propose
 
 

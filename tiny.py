@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 H, T_LAYERS = 32, 6            # hidden size and target layers of every tiny pair
-FORMATS = ["zlab", "zlab-new", "laguna"]
+FORMATS = ["zlab", "zlab-new", "laguna", "dflash2"]
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}   # at H 32
 
 
 # -----------------------------------------------------------------------------
@@ -39,9 +40,14 @@ def target_config(family: str, vocab: int, max_pos: int, **extra) -> dict:
 
 
 def seeded(shape, name: str, generator, head_scale: float = 4.0) -> torch.Tensor:
-    """Norms near 1, matrices with unit-variance outputs; the target's LM head head_scale times that."""
+    """Norms near 1, matrices with unit-variance outputs; the target's LM head head_scale times that; a
+    DFlash2 convolution's base taps near the identity (tap 0 near 1, the others near 0)."""
     if len(shape) == 1:
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    if name.endswith("base_kernel"):   # (2, C, H)
+        identity = torch.zeros(shape)
+        identity[:, 0] = 1.0
+        return identity + 0.1 * torch.randn(shape, generator=generator)
     scale = head_scale if name == "lm_head.weight" else 1.0
     return torch.randn(shape, generator=generator) * scale / shape[-1] ** 0.5
 
@@ -73,7 +79,9 @@ def drafter_config(fmt: str, block_size: int, layer_ids, vocab: int, num_layers:
     rope_parameters, sliding and full layers alternating, window `window`) or "laguna" (Laguna-XS DFlash:
     every layer causal and sliding). layer_ids None leaves target_layer_ids out (the default ids); the
     mask id defaults to the last vocabulary row; causal sets dflash_config.causal (zlab-new); rope_by_type
-    gives one RoPE base per layer type (zlab-new)."""
+    gives one RoPE base per layer type (zlab-new). "dflash2" is z-lab's DFlash2DraftModel layout (spec §9):
+    every layer sliding and bidirectional (top-level is_causal false), the convolution and selector sizes in
+    dflash_config."""
     arch = dict(hidden_size=hidden, intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, vocab_size=vocab)
     nested = {"mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id}
@@ -92,6 +100,11 @@ def drafter_config(fmt: str, block_size: int, layer_ids, vocab: int, num_layers:
                 "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2) +
                                ["sliding_attention"] * (num_layers % 2),
                 "sliding_window": window, "dflash_config": {"block_size": block_size, **override, **nested}}
+    if fmt == "dflash2":
+        return {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", **arch, "is_causal": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0}, "num_target_layers": T_LAYERS,
+                "layer_types": ["sliding_attention"] * num_layers, "sliding_window": window, "use_sliding_window": True,
+                "dflash_config": {"block_size": block_size, **DFLASH2, **nested}}
     assert fmt == "laguna", fmt
     return {"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna", **arch, "gating": "per-head",
             "layer_types": ["sliding_attention"] * num_layers, "sliding_window": window,
@@ -103,8 +116,11 @@ def drafter_tensor_shapes(raw: dict, n: int) -> dict[str, tuple]:
     """The tensor names and shapes of a drafter checkpoint with n captured layers, as released (spec §6):
     fc, hidden_norm and norm, and per layer the two norms, attention (q/k/v_proj apart in a z-lab file; one
     fused qkv_proj and the gate g_proj in a Laguna file), q/k norms and the SwiGLU MLP; Laguna adds one
-    aux_hidden_norms.{i} per captured layer."""
+    aux_hidden_norms.{i} per captured layer; DFlash2 adds per layer the two convolutions' base_kernel (2, C, H)
+    and kernel_projection (2·C·G, H), and the candidate selector's hidden_projection (r, H) and its two
+    codebooks (V, r), stored without a `.weight` suffix."""
     laguna = any("Laguna" in arch for arch in raw["architectures"])
+    dflash2 = "DFlash2DraftModel" in raw["architectures"]
     H, heads, kv_heads, d = raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
     inter = raw["intermediate_size"]
     shapes = {"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
@@ -125,9 +141,20 @@ def drafter_tensor_shapes(raw: dict, n: int) -> dict[str, tuple]:
         shapes[p + "mlp.gate_proj.weight"] = (inter, H)
         shapes[p + "mlp.up_proj.weight"] = (inter, H)
         shapes[p + "mlp.down_proj.weight"] = (H, inter)
+        if dflash2:
+            sizes = raw["dflash_config"]
+            C, G = sizes["conv_kernel_size"], H // sizes["conv_group_size"]
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[p + conv + ".base_kernel"] = (2, C, H)
+                shapes[p + conv + ".kernel_projection.weight"] = (2 * C * G, H)
     if laguna:
         for i in range(n):
             shapes[f"aux_hidden_norms.{i}.weight"] = (H,)
+    if dflash2:
+        r, V = raw["dflash_config"]["selector_rank"], raw["vocab_size"]
+        shapes["candidate_selector.hidden_projection.weight"] = (r, H)
+        shapes["candidate_selector.predecessor_codebook"] = (V, r)
+        shapes["candidate_selector.successor_codebook"] = (V, r)
     return shapes
 
 

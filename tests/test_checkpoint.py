@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import checkpoint
+import tiny
 import cli
 import dflash
 from dflash import DFlashError
@@ -82,8 +83,10 @@ RELEASED_EXPECTED = {   # README of released_configs/: what each resolves to, or
     "zlab_gpt-oss-20b-DFlash.json": "draft config: 'model_type' = \"gpt_oss\", 'attention_bias' = true not "
         "supported (the gpt_oss config class adds alternating sliding layers (window 128) and YaRN RoPE, which "
         "this file does not list; biases on q/k/v/o)",
-    "zlab_Qwen3.8-27B-DFlash2.json": "draft config: a DFlash2 checkpoint (architectures ['DFlash2DraftModel']) is "
-        "not supported yet: its convolution and selector weights have no place in a DFlash drafter",
+    "zlab_Qwen3.8-27B-DFlash2.json": dict(   # its selector_rank cut to 4 here: the codebooks have a row per token
+        block_size=8, mask_token_id=248070, target_layer_ids=[5, 19, 33, 47, 61], num_layers=5, num_kv_heads=8,
+        causal=[False] * 5, windows=[2048] * 5, rope_thetas=[1e7] * 5, gated=False, conv_kernel_size=2,
+        conv_group_size=16, selector_rank=4, selector_top_k=16, vocab_size=248320),
 }
 
 
@@ -94,15 +97,16 @@ def test_released_configs_resolve_or_are_refused(tmp_path, name):
     vLLM reads it, or is refused with one line naming every key it cannot honour."""
     from transformers import AutoModelForCausalLM, Qwen3Config
     raw = json.loads((RELEASED / name).read_text())
+    if checkpoint.is_dflash2(raw):   # as released, at its own widths: the selector's rank
+        assert checkpoint.load_draft_config(raw, 64, 5 * raw["hidden_size"]).selector_rank == 256
+        raw["dflash_config"]["selector_rank"] = 4
     raw |= {"hidden_size": H, "intermediate_size": 48, "head_dim": 2} | ({"v_head_dim": 2} if "v_head_dim" in raw else {})
     nested = raw.get("dflash_config") or {}
     layers = nested.get("num_target_layers", raw.get("num_target_layers", 24))
     target = AutoModelForCausalLM.from_config(Qwen3Config(
         vocab_size=raw["vocab_size"], hidden_size=H, intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
-    fmt = "laguna" if "Laguna" in raw["architectures"][0] else "zlab"
-    shapes = drafter_shapes(fmt, raw["num_hidden_layers"], len(nested["target_layer_ids"]), heads=raw[
-        "num_attention_heads"], kv_heads=raw["num_key_value_heads"], head_dim=2)
+    shapes = tiny.drafter_tensor_shapes(raw, len(nested["target_layer_ids"]))
     (tmp_path / "config.json").write_text(json.dumps(raw))
     save_file({k: torch.randn(shape) * 0.1 for k, shape in shapes.items()}, tmp_path / "model.safetensors")
     expected = RELEASED_EXPECTED[name]

@@ -143,12 +143,19 @@ BAD_CHECKPOINTS = {
     "anchor-first (top level)": ("laguna", set_top(shift_label=True), "draft config: 'shift_label' = true: an "
                                  "anchor-first drafter (block row j predicts position j+1) is not supported; read "
                                  "as same-position, every draft would land one position early"),
-    "DFlash2 architecture": ("zlab", set_top(architectures=["DFlash2DraftModel"]), "draft config: a DFlash2 "
-                             "checkpoint (architectures ['DFlash2DraftModel']) is not supported yet: its "
-                             "convolution and selector weights have no place in a DFlash drafter"),
-    "DFlash2 keys": ("zlab", set_nested(conv_kernel_size=2, selector_top_k=16), "draft config: a DFlash2 "
-                     "checkpoint (dflash_config ['conv_kernel_size', 'selector_top_k']) is not supported yet: its "
-                     "convolution and selector weights have no place in a DFlash drafter"),
+    "DFlash2 architecture": ("zlab", set_top(architectures=["DFlash2DraftModel"]), "draft weights: 11 tensors missing, e.g. ['candidate_selector.h"
+                             "idden_projection.weight', 'candidate_selector.predecessor_codebook', 'candidate_selector.successor_codebook']"),
+    "DFlash2 keys": ("zlab", set_nested(conv_kernel_size=2, selector_top_k=16), "draft weights: 11 tensors missing, e.g. ['candidate_selector.h"
+                     "idden_projection.weight', 'candidate_selector.predecessor_codebook', 'candidate_selector.successor_codebook']"),
+    "DFlash2 group size": ("dflash2", set_nested(conv_group_size=5), "draft config: 'conv_group_size' = 5 does not "
+                           "divide hidden_size 32 (the dynamic taps are one per group of channels)"),
+    "DFlash2 vocab_size": ("dflash2", set_top(vocab_size=50), "draft config: 'vocab_size' = 50 but the target has 96 "
+                           "embedding rows (a DFlash2 selector's codebooks have one row per token)"),
+    "DFlash2 codebook rows": ("dflash2", put_tensor("candidate_selector.successor_codebook", torch.zeros(95, 8)),
+                              "draft weights: 'candidate_selector.successor_codebook' has shape (95, 8), config "
+                              "implies (96, 8)"),
+    "DFlash2 conv tensor missing": ("dflash2", lambda p: drop_tensors(p, "layers.1.mlp_conv.base_kernel"),
+                                    "draft weights: 1 tensors missing, e.g. ['layers.1.mlp_conv.base_kernel']"),
     "unknown architecture": ("zlab", set_top(architectures=["LlamaForCausalLM"]), "draft config: 'architectures' "
                              "= ['LlamaForCausalLM'] is not a DFlash drafter (DFlashDraftModel, or a Laguna DFlash "
                              "drafter); refusing to guess its layout"),

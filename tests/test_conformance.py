@@ -111,9 +111,9 @@ def bonus_too_early(target, drafter, request):
 
 def shifted_readout(target, drafter, request):
     """A port that reads its drafts from block rows 0..W-2 (next-token style) instead of 1..W-1."""
-    def propose(drafter_, ctx, block, target_, count):
+    def propose(drafter_, ctx, block, target_, count, *sampling):
         hidden = dflash.draft_block(drafter_, ctx, target_.get_input_embeddings()(block))   # (W, H)
-        return target_.get_output_embeddings()(hidden[:count]).argmax(-1)                  # (count,)
+        return target_.get_output_embeddings()(hidden[:count]).argmax(-1), None            # (count,)
     with mock.patch.object(dflash, "propose", propose):   # patched first, so the recorder wraps it
         return conformance.record_reference(target, drafter, request)[0]
 

@@ -392,7 +392,7 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
         ref = dflash.generate(target, drafter, prompt, 40)
         assert_same_tokens(fast.tokens, ref.tokens)
         assert fast.acceptance_lengths == ref.acceptance_lengths
-    mask_drafts = lambda drafter, buf, block, target, count: block[1:1 + count]   # [m, ..., m]: an accepted one is still an argmax
+    mask_drafts = lambda drafter, buf, block, target, count, *sampling: (block[1:1 + count], None)   # [m, ..., m]: an accepted one is still an argmax
     with mock.patch.object(fastpath, "propose", mask_drafts):     # a new Decoder: new buffers, new graphs
         alone = fastpath.generate(target, drafter, prompt, 40, capacity=512)
     assert_same_tokens(fast.tokens, alone.tokens)
@@ -449,6 +449,25 @@ def test_fastpath_sampling_on_cuda_with_graphs(checkpoints, tmp_path):
     assert_same_tokens(fast.tokens, ref.tokens)
     assert fast.acceptance_lengths == ref.acceptance_lengths
     assert again.tokens != fast.tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dflash2_graphed_rounds_equal_eager_on_cuda(checkpoints, tmp_path, temperature):
+    """A DFlash2 drafter through the compiled, graphed draft and verify parts drafts what dflash.py drafts,
+    round by round (the convolutions and the selector's walk inside the graph), and commits the same tokens,
+    greedy and sampled (fp32, the same seed)."""
+    target = checkpoint.load_target(str(checkpoints["qwen3"]), torch.float32, "cuda")
+    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "dflash2", block_size=6, layer_ids=(1, 3))),
+                                      target, torch.float32, "cuda")
+    prompt, sampling = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], dflash.Sampling(temperature)
+    with closing(fastpath.Decoder(target, drafter, 256, 5, sampling=sampling)) as dec:
+        fast = dec.generate(prompt, 40, seed=3)
+        assert dec.graphs
+    ref = dflash.generate(target, drafter, prompt, 40, sampling=sampling, seed=3)
+    assert fast.rounds == ref.rounds
+    assert_same_tokens(fast.tokens, ref.tokens)
 
 
 def test_visible_slots_are_the_reference_mask():

@@ -49,7 +49,7 @@ def test_anchors_are_resampled_and_padded():
     assert blocks.labels[4:].tolist() == [[packed.IGNORE, 5, 6, packed.IGNORE], [packed.IGNORE, 6, packed.IGNORE, packed.IGNORE]]
 
 
-@pytest.mark.parametrize("fmt", ["zlab", "zlab-new", "laguna"])
+@pytest.mark.parametrize("fmt", ["zlab", "zlab-new", "laguna", "dflash2"])
 def test_packed_forward_equals_draft_block_per_anchor(llama_data, tmp_path, fmt):
     """Each block of the packed training forward equals dflash.draft_block with the context of
     positions < a (later context rows exist but must stay unseen), for overlapping blocks, an anchor
