@@ -250,18 +250,18 @@ class CandidateSelector(nn.Module):
         T > 0 -> drafts (N,), candidates (N, k), and q (N, k) each draft was drawn from (None at T = 0)."""
         unary, candidates = logits.topk(self.top_k, dim=-1)                            # (N, k)
         u = self.hidden_projection(hidden)                                              # (N, r)
-        previous, drafts, qs = anchor, [], []
+        previous, drafts, qs = anchor.reshape(1), [], []                              # (1,), indices kept on the device
         for t in range(len(hidden)):
-            pair = self.successor_codebook[candidates[t]] @ (self.predecessor_codebook[previous] * u[t])   # (k,)
+            pair = self.successor_codebook[candidates[t]] @ (self.predecessor_codebook[previous][0] * u[t])   # (k,)
             scores = unary[t] + pair                                                    # (k,)
             if temperature == 0:
-                pick = scores.argmax()
+                pick = scores.argmax().reshape(1)
             else:
                 qs.append((scores.to(torch.promote_types(scores.dtype, torch.float32)) / temperature).softmax(-1))
-                pick = sample(qs[-1], uniforms[t])
-            previous = candidates[t, pick]
+                pick = sample(qs[-1], uniforms[t]).reshape(1)
+            previous = candidates[t][pick]                                              # (1,)
             drafts.append(previous)
-        return torch.stack(drafts), candidates, torch.stack(qs) if qs else None
+        return torch.cat(drafts), candidates, torch.stack(qs) if qs else None
 
 
 class Drafter(nn.Module):

@@ -265,13 +265,18 @@ def run_parts(dec, parts, steps: int):
                 part()
 
 
-@pytest.mark.parametrize("family,fmt", [("qwen3", "zlab"), ("llama", "laguna"), ("llama", "zlab-new")])
-def test_fastpath_parts_trace_as_one_graph_each(targets32, drafters, family, fmt):
+@pytest.mark.parametrize("family,fmt,temperature", [("qwen3", "zlab", 0.0), ("llama", "laguna", 0.0),
+                                                    ("llama", "zlab-new", 0.0), ("qwen3", "dflash2", 0.0),
+                                                    ("qwen3", "dflash2", 1.0)])
+def test_fastpath_parts_trace_as_one_graph_each(targets32, drafters, family, fmt, temperature):
     """The two parts the Decoder captures as CUDA graphs, draft and verify (with capture, acceptance and
-    context append), each trace with fullgraph=True through AOTAutograd, as inductor would take them;
-    two traced steps advance the buffers exactly as two eager ones."""
+    context append), each trace with fullgraph=True through AOTAutograd, as inductor would take them, a
+    DFlash2 drafter's convolutions and candidate walk included (drawn at T > 0); two traced steps advance
+    the buffers exactly as two eager ones."""
     target, drafter = targets32[family], drafters(family, fmt, 5, torch.float32)
-    with closing(fastpath.Decoder(target, drafter, 32, 4)) as eager, closing(fastpath.Decoder(target, drafter, 32, 4)) as traced:
+    sampling = dflash.Sampling(temperature)
+    with closing(fastpath.Decoder(target, drafter, 32, 4, sampling=sampling)) as eager, \
+            closing(fastpath.Decoder(target, drafter, 32, 4, sampling=sampling)) as traced:
         assert list(traced.parts()) == ["draft", "verify"]
         torch._dynamo.reset()
         compiled = [torch.compile(part, fullgraph=True, backend="aot_eager") for part in traced.parts().values()]
