@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+import checkpoint
 import cli
 import dflash
 import fastpath
@@ -640,6 +641,59 @@ def test_fastpath_cli_json_equals_reference_cli(checkpoints, tmp_path):
     assert fast.returncode == 0, fast.stderr
     assert json.loads(fast.stdout) == json.loads(run_cli(*args).stdout)
 
+
+
+def zlab_reference():
+    """z-lab's own reference, `dflash/model.py` of the PyPI package dflash 0.1.0, installed apart (its import
+    name is this file's): `pip install --no-deps --target .zlab dflash==0.1.0`, as .ci/run does."""
+    import importlib.util
+    path = HERE / ".zlab" / "dflash" / "model.py"
+    assert path.is_file(), f"{path} missing: pip install --no-deps --target .zlab dflash==0.1.0"
+    spec = importlib.util.spec_from_file_location("zlab_dflash_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def recording(fn, record):
+    """fn, with record(its result) after each call."""
+    def recorded(*args):
+        out = fn(*args)
+        record(out)
+        return out
+    return recorded
+
+
+@pytest.mark.package
+@pytest.mark.parametrize("fmt", ["zlab", "dflash2"])
+def test_drafts_per_round_equal_zlabs_reference(targets, tmp_path, fmt):
+    """On a tiny checkpoint in the released format (DFlashDraftModel, and DFlash2DraftModel with its
+    convolutions and selector), z-lab's reference (dflash_generate, T = 0, float64 on CPU) drafts what
+    dflash.py drafts, round for round, and both commit the target's greedy decode. Near max_new_tokens
+    z-lab shrinks the block to the tokens left, while dflash.py keeps the full block and verifies fewer
+    drafts: those last rounds are compared in their tokens only."""
+    zlab = zlab_reference()
+    target, block = targets["qwen3"], 6
+    path = write_drafter(tmp_path / fmt, fmt, block_size=block, layer_ids=(1, 3))
+    ours = checkpoint.load_drafter(str(path), target, torch.float64, "cpu")
+    theirs = (zlab.DFlash2DraftModel if fmt == "dflash2" else zlab.DFlashDraftModel).from_pretrained(
+        str(path), dtype=torch.float64).eval()
+    rounds = []
+    if fmt == "dflash2":   # the selector's walk
+        theirs.propose = recording(theirs.propose, lambda out: rounds.append(out[0][0].tolist()))
+    else:                  # the argmax of the draft logits
+        theirs.compute_logits = recording(theirs.compute_logits, lambda out: rounds.append(out[0].argmax(-1).tolist()))
+    prompt, max_new = [5, 17, 3, 42, 8, 23, 61, 2], 40
+    with mock.patch.object(zlab, "_cuda_time", lambda: 0.0):   # its stats time with CUDA syncs
+        result = zlab.dflash_generate(theirs, target, torch.tensor([prompt]), max_new, None, return_stats=True)
+    gen = dflash.generate(target, ours, prompt, max_new)
+    assert_same_tokens(gen.tokens, result.output_ids[0, len(prompt):].tolist())
+    assert_same_tokens(gen.tokens, hf_greedy(target, prompt, max_new))
+    ours_drafts = [r["draft"] for r in gen.rounds]
+    whole = lambda drafts: len(drafts) == block - 1
+    full = next(i for i, (a, b) in enumerate(zip(ours_drafts + [[]], rounds + [[]])) if not (whole(a) and whole(b)))
+    assert full >= 20 and ours_drafts[:full] == rounds[:full]                       # every round with a full block
+    assert gen.acceptance_lengths[:full] == result.acceptance_lengths[:full]
 
 
 FLOORS = ["files", "tiny", "dflash", "checkpoint", "packages", "cli", "triton_ops", "fastpath", "distill", "packed",
