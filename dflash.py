@@ -2,18 +2,16 @@
 
 A block drafter, conditioned on hidden states captured from the target, proposes a whole block in one
 forward pass; the target verifies it in one pass and keeps the longest prefix that matches its own choice,
-so greedy output is token-identical to the target's greedy decode. This file is the algorithm and nothing
-else, in the order a step runs it: config, drafter modules, target capture, drafter block, verification,
-`generate`. Plain PyTorch, deliberately simple, not fast: `fastpath.py` is the same math, fast. It imports
-no other file of the project: reading checkpoints is `checkpoint.py`, the command line `cli.py`.
+so greedy output is the target's greedy decode. This file is the algorithm and nothing else, in the order a
+step runs it: config, drafter modules, target capture, drafter block, verification, `generate`; plain
+PyTorch, not fast (`fastpath.py` is the same math, fast), importing no other file of the project.
 
     $ python dflash.py        # SmolLM2-135M-Instruct with the drafter shipped in drafter/
     $ python dflash.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
 
-Shapes: P prompt, S context (tokens the drafter has seen), B block, K drafts per step, W rows of a
-draft block (B, or K+1), N any count of rows or positions, H hidden, n captured target layers, V vocab,
-h/hk query/key heads, d head_dim; `...` is any leading batch shape (none when decoding, sequences when
-training).
+Shapes: P prompt, S context (tokens the drafter has seen), B block, K drafts per step, W rows of a draft
+block (B, or K+1), N any count of rows, H hidden, n captured target layers, V vocab, h/hk query/key heads,
+d head_dim, C/G/r/k DFlash2's taps, tap groups, selector rank and candidates; `...` any leading shape.
 """
 if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
     import signal
@@ -90,10 +88,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_table(positions, theta: float, d: int, dtype):
-    """RoPE's cos and sin at positions (..., N), (..., N, 1, d) each, from float64 angles, exact at any
-    position. HF's rotary embeddings (z-lab's drafters) and the engines take fp32 angles: their cos and
-    sin differ from these by up to about 3e-4 at position 4k and 3e-3 at 40k, a difference a port compared
-    in fp32 at long context sees."""
+    """RoPE's cos and sin at positions (..., N), (..., N, 1, d) each, from float64 angles, exact at any position
+    (HF's and the engines' fp32 angles differ by up to about 3e-4 at position 4k and 3e-3 at 40k)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float64) / d)  # (d/2,)
     angles = positions.double()[..., None] * inv_freq                                   # (..., N, d/2)
     angles = torch.cat([angles, angles], -1)[..., None, :]                              # (..., N, 1, d)
@@ -114,13 +110,10 @@ def gate(logits, o):
 def attend(q, keys, values, mask):
     """Scaled dot-product attention of queries q (..., h, W, d) over keys, values (..., hk, S+W, d): the
     context's and the rows' own, each K/V head serving h/hk query heads -> (..., h, W, d). mask: (..., W, S+W)
-    bool, the keys each row sees, or None for all; or a mask that attends itself under the same rule
-    (training's packed forward on CUDA, `train.PackedMask`)."""
+    bool, the keys each row sees, or None for all; or a mask that attends itself (`packed.PackedMask`)."""
     if hasattr(mask, "attend"):
         return mask.attend(q, keys, values)
-    # Each K/V head repeated for its query heads. SDPA's own enable_gqa runs only its math kernel under a
-    # mask, which on CUDA upcasts to fp32 and writes out the scores; repeated, a masked call can take
-    # memory-efficient attention
+    # K/V repeated per query head: masked, SDPA's own GQA runs only its math kernel, this one can run fused
     g = q.shape[-3] // keys.shape[-3]
     keys, values = keys.repeat_interleave(g, -3), values.repeat_interleave(g, -3)      # (..., h, S, d)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
@@ -166,17 +159,13 @@ class DraftMLP(nn.Module):
 
 
 def convolve(x, taps, base, block: int):
-    """DFlash2's grouped dynamic causal convolution of rows x (..., W, H), W a multiple of `block`, restarting
-    at each block (its first row sees zeros before it): out[t, c] = Σ_o (base[o, c] + taps[t, o, c // g]) ·
-    x[t − o, c], taps (..., W, C, G) indexed by the output row t, base (C, H) in x's dtype, g = H / G."""
+    """DFlash2's grouped dynamic causal convolution of rows x (..., W, H) in blocks of `block`, each from zeros:
+    out[t, c] = Σ_o (base[o, c] + taps[t, o, c // g]) · x[t − o, c], taps (..., W, C, G), base (C, H), g = H / G."""
     C, g = base.shape[0], x.shape[-1] // taps.shape[-1]
     rows = x.unflatten(-2, (-1, block))                                                 # (..., W/B, B, H)
     taps = taps.repeat_interleave(g, -1).unflatten(-3, (-1, block))                     # (..., W/B, B, C, H)
-    out = torch.zeros_like(rows)
-    for o in range(C):
-        earlier = F.pad(rows, (0, 0, o, 0))[..., :block, :]                            # x[t − o], 0 before the block
-        out = out + (base[o].to(x.dtype) + taps[..., o, :]) * earlier
-    return out.flatten(-3, -2)                                                          # (..., W, H)
+    earlier = lambda o: F.pad(rows, (0, 0, o, 0))[..., :block, :]                       # x[t − o], 0 before the block
+    return sum((base[o].to(x.dtype) + taps[..., o, :]) * earlier(o) for o in range(C)).flatten(-3, -2)   # (..., W, H)
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -198,11 +187,9 @@ class GroupedDynamicCausalConv(nn.Module):
         return convolve(z, taps[..., 1, :, :], self.base_kernel[1], block)
 
 
-class NoConv(nn.Module):
-    """A DFlash (v1) layer's place for the convolution: the sublayer on its input as it is."""
-
-    def forward(self, a, sublayer, block: int):
-        return sublayer(a)
+def around(conv, a, sublayer, block: int):
+    """A sublayer on its normed input a, inside the layer's DFlash2 convolutions where it has them."""
+    return sublayer(a) if conv is None else conv(a, sublayer, block)
 
 
 class DraftLayer(nn.Module):
@@ -217,9 +204,9 @@ class DraftLayer(nn.Module):
         # Laguna normalises the context with this layer's own input norm before k/v; z-lab does not (spec §3).
         self.context_norm = self.input_layernorm if cfg.norm_context else nn.Identity()
         self.causal, self.window = cfg.causal[layer], cfg.windows[layer]   # this layer's mask rule
-        # DFlash2 convolves around the attention and the MLP (spec §9)
-        self.attention_conv = GroupedDynamicCausalConv(cfg) if cfg.conv_kernel_size else NoConv()
-        self.mlp_conv = GroupedDynamicCausalConv(cfg) if cfg.conv_kernel_size else NoConv()
+        convolved = cfg.conv_kernel_size > 0   # DFlash2 convolves around the attention and the MLP (spec §9)
+        self.attention_conv, self.mlp_conv = (GroupedDynamicCausalConv(cfg), GroupedDynamicCausalConv(cfg)) \
+            if convolved else (None, None)
 
     def context_kv(self, c, tables):
         """KV injection: context rows c (..., S, H), their rope tables -> keys, values (..., hk, S, d)."""
@@ -229,14 +216,13 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, tables, context, mask, block: int):
         attention = lambda u: self.self_attn(u, tables[self.self_attn.rope_theta], context, mask)
-        x = x + self.attention_conv(self.input_layernorm(x), attention, block)
-        return x + self.mlp_conv(self.post_attention_layernorm(x), self.mlp, block)
+        x = x + around(self.attention_conv, self.input_layernorm(x), attention, block)
+        return x + around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp, block)
 
 
 class CandidateSelector(nn.Module):
-    """DFlash2's draft walk: each draft row's k likeliest tokens, scored by their logit plus a low-rank term
-    between the token picked before (from the anchor on) and the candidate, picked left to right: the argmax
-    at temperature 0, else drawn from q = softmax(scores / T). A greedy walk, not a search."""
+    """DFlash2's draft walk, left to right from the anchor: each row's k likeliest tokens scored by their logit
+    plus a low-rank term with the token picked before; the argmax at T = 0, else drawn from softmax(scores / T)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -290,10 +276,8 @@ class Drafter(nn.Module):
         return {t: rope_table(positions, t, self.config.head_dim, dtype) for t in set(self.config.rope_thetas)}
 
     def forward(self, x, tables, context, masks, block: int):
-        """Block embeddings x (..., W, H), W a multiple of `block` rows, with the rope_tables of their
-        positions, each layer's context and mask -> (..., W, H). The caller makes the tables: made inside a
-        compiled forward, inductor would recompute their float64 cos, sin and pow in every kernel that reads
-        them, for every element of q and k, forward and backward."""
+        """Block embeddings x (..., W, H) in blocks of `block` rows, the rope_tables of their positions (made by
+        the caller: compiled here, inductor would redo their float64 math per kernel), context and masks."""
         for layer, layer_context, mask in zip(self.layers, context, masks):
             x = layer(x, tables, layer_context, mask, block)
         return self.norm(x)
@@ -301,18 +285,14 @@ class Drafter(nn.Module):
     def draft_logits(self, hidden, head):
         """Final-normed rows (..., N, H) through the target's LM head -> logits (..., N, V), times
         output_multiplier and softcapped where the config says so."""
-        cfg = self.config
-        logits = head(hidden) * cfg.output_multiplier
-        if cfg.final_logit_softcapping:
-            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
-        return logits
+        logits, cap = head(hidden) * self.config.output_multiplier, self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
 
 
 # -----------------------------------------------------------------------------
 # Target capture: layer outputs taken during the target's own forward
 
-# The target's SDPA kernels, cuDNN's left out: it plans every new sequence length on the host, about 1.5 ms
-# per layer with a mask on an H200, and decoding changes the length every round.
+# The target's SDPA kernels, cuDNN's left out: it plans each new length on the host (1.5 ms a layer, H200).
 TARGET_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -331,9 +311,8 @@ def cache_kwarg(model_class) -> str:
 
 
 class Capture:
-    """Hooks on the captured target layers until close(): each forward leaves the residual stream leaving
-    layer i (un-normed, before the final norm) in outputs[i]: HF's hidden_states[i + 1], except for the
-    last layer, whose hidden_states entry HF takes after the final norm."""
+    """Hooks on the captured target layers until close(): a forward leaves the residual stream leaving layer
+    i (before the final norm: HF's hidden_states[i + 1], but for the last layer) in outputs[i]."""
 
     def __init__(self, target, layer_ids: list[int]):
         self.layer_ids, self.outputs, layers = list(layer_ids), {}, decoder_layers(target)
@@ -389,16 +368,15 @@ def append_context(drafter: Drafter, ctx: DraftContext, c):
 
 def attention_mask(q_pos, k_pos, causal: bool, window: int | None):
     """Which keys each query sees: (..., Nq), (..., Nk) absolute positions -> (..., Nq, Nk) bool, or None for
-    all. A causal window keeps the `window` keys ending at the query; a window that is not causal keeps the
-    keys less than `window` positions away on either side (2·window − 1 in all)."""
+    all. A causal window keeps the `window` keys ending at the query, else those less than `window` away."""
     if not causal and window is None:
         return None
     return visible_at(q_pos[..., :, None] - k_pos[..., None, :], causal, window)     # (..., Nq, Nk)
 
 
 def visible_at(delta, causal: bool, window):
-    """A layer's rule on query position minus key position (any shape) -> whether the key is seen. The
-    window is an int, a 0-dim tensor (training's packed rule) or None."""
+    """A layer's rule on query minus key position (any shape) -> whether the key is seen; window an int, a
+    0-dim tensor (training's packed rule) or None."""
     visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
     return visible if window is None else visible & (delta < window) & (delta > -window)
 
@@ -418,10 +396,9 @@ def embed_block(drafter: Drafter, block, target):
 
 
 def read_drafts(drafter: Drafter, hidden, target, anchor, sampling, uniforms):
-    """The draft rows (N, H) after the bonus -> drafts (N,), and q (N, V), the distribution each was drawn
-    from, or None for the argmax (q one-hot). A DFlash2 drafter walks its candidates from the anchor (argmax
-    at T = 0, else drawn); a DFlash one proposes its argmax, or at T > 0 with sampling.drafts "sampled"
-    draws from its own processed distribution. uniforms (N,): one per draw."""
+    """The draft rows (N, H) after the bonus -> drafts (N,) and q (N, V) each was drawn from, or None for the
+    argmax (q one-hot). DFlash2 walks its candidates from the anchor (drawn at T > 0); DFlash proposes its
+    argmax, or draws from its own processed p with sampling.drafts "sampled". uniforms (N,): one a draw."""
     logits = drafter.draft_logits(hidden, target.get_output_embeddings())              # (N, V)
     if drafter.candidate_selector is not None:
         drafts, candidates, q = drafter.candidate_selector(hidden, logits, anchor, sampling.temperature, uniforms)
@@ -433,9 +410,8 @@ def read_drafts(drafter: Drafter, hidden, target, anchor, sampling, uniforms):
 
 
 def propose(drafter: Drafter, ctx: DraftContext, block, target, count: int, sampling, uniforms):
-    """Drafts (count,) and their q (read_drafts) for block ids (W,) = [bonus, m, ..., m], from rows
-    1..count, no shift. Every row of the block is computed (its rows attend to each other); only the drafts
-    to verify go through the head, which costs by the row (V columns each)."""
+    """Drafts (count,) and their q (read_drafts) for block ids (W,) = [bonus, m, ..., m], from rows 1..count,
+    no shift: every row is computed (they attend to each other), only the drafts go through the head."""
     hidden = draft_block(drafter, ctx, embed_block(drafter, block, target))            # (W, H)
     return read_drafts(drafter, hidden[1:1 + count], target, block[0], sampling, uniforms)
 
@@ -472,8 +448,7 @@ def target_probs(logits, sampling: Sampling):
 
 
 def residual(p, q):
-    """Where a rejected draft's mass goes: max(p − q, 0), which `sample` renormalises; p itself where q covers
-    all of p (the residual sums to 0)."""
+    """Where a rejected draft's mass goes: max(p − q, 0) (`sample` renormalises), or p where that is all 0."""
     rest = (p - q).clamp(min=0)                                                                     # (V,)
     return torch.where(rest.sum() > 0, rest, p)
 
@@ -486,12 +461,10 @@ def sample(dist, u):
 
 def verify(drafts, logits, sampling: Sampling, uniforms, draft_probs=None) -> tuple[int, int]:
     """Accept a prefix of the drafts (k,) against target logits (k+1, V), row i the target's distribution where
-    d_{i+1} stands -> (accepted a, next token). Greedy: d_i is accepted while it is the target's argmax; the next
-    token is row a's argmax. Sampling is rejection sampling with the distribution q the drafts were drawn from
-    (draft_probs (k, V); None: the argmax, q one-hot): accept d_i with probability min(1, p(d_i) / q(d_i)); at
-    the first rejection draw from max(p − q, 0) renormalised; if all pass, from p_k. Exact for any q:
-    P(x) = q(x)·min(1, p(x)/q(x)) + (1 − Σ_y min(p(y), q(y)))·max(p(x) − q(x), 0)/Σ_y max(p(y) − q(y), 0) = p(x).
-    uniforms (≥ k+1,): uniforms[i] decides d_{i+1}, uniforms[-1] the draw."""
+    d_{i+1} stands -> (accepted a, next token). Greedy: d_i is accepted while it is row i's argmax; the next is
+    row a's. Sampling is rejection sampling with the drafts' q (draft_probs (k, V); None: one-hot): accept d_i
+    with probability min(1, p(d_i) / q(d_i)); at the first rejection draw from max(p − q, 0) renormalised; if
+    all pass, from p_k. Exact for any q: min(p, q) + max(p − q, 0) = p. uniforms: [i] decides d_{i+1}, [-1] draws."""
     k = len(drafts)
     if sampling.temperature == 0:
         target_tokens = logits.argmax(-1)                                                         # (k+1,)
@@ -521,9 +494,8 @@ class Generation:
     interrupted: bool = False                # stopped by Ctrl-C (dflash.Interrupted), not by a stop or the limit
 
     def commit(self, drafts: list[int], accepted: int, new_tokens: list[int], stops) -> list[int]:
-        """Record a round and append its tokens, trimmed at the first stop written; returns those appended.
-        The round's acceptance length is what verification accepted, drafts past a stop included: it
-        measures the drafter, not the text kept."""
+        """Record a round and append its tokens, trimmed at the first stop written; returns those appended. Its
+        acceptance length counts drafts past a stop too: it measures the drafter, not the text kept."""
         self.acceptance_lengths.append(accepted + 1)
         self.rounds.append({"draft": drafts, "accepted": accepted})
         for i in range(len(drafts)):
@@ -570,28 +542,21 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
              full_block: bool = True, stop_ids=(), on_tokens=None, sampling: Sampling = Sampling(),
              seed: int | None = None) -> Generation:
     """DFlash decoding: greedy output equals the target's greedy decode, sampled tokens have its distribution.
-    drafter=None runs the target alone through this loop (K = 0); full_block computes all B drafter rows (z-lab),
-    else K+1; on_tokens(list[int]) gets each round's tokens; seed fixes the uniforms: K for the drafts of a round
-    where they are drawn (T > 0 with a DFlash2 drafter, or sampling.drafts "sampled"), then K+1 to verify it."""
-    if drafter is None:
-        K = 0
-    else:
-        K = drafter.config.block_size - 1 if num_drafts is None else num_drafts
+    drafter=None runs the target alone (K = 0); full_block computes all B drafter rows (z-lab), else K+1;
+    on_tokens(list[int]) gets each round's tokens; seed fixes the uniforms: a round's K draws of its drafts
+    (T > 0 with DFlash2, or sampling.drafts "sampled"), then the K+1 of its verification."""
+    K = 0 if drafter is None else drafter.config.block_size - 1 if num_drafts is None else num_drafts
     check_request(prompt_ids, max_new_tokens, K, **request_limits(target, drafter))
     device, stops = target.get_input_embeddings().weight.device, set(stop_ids)
     on_tokens = on_tokens or (lambda tokens: None)
     generator = torch.Generator(device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator.seed() if seed is None else generator.manual_seed(seed)
     uniforms = lambda n: torch.rand(n, generator=generator, device=device, dtype=torch.float64)   # (n,)
     draws_drafts = drafter is not None and sampling.temperature > 0 and \
         (drafter.candidate_selector is not None or sampling.drafts == "sampled")
 
     with closing(Capture(target, [] if drafter is None else drafter.config.target_layer_ids)) as capture:
-        # Prefill: target logits for the first token and captured features for the whole prompt. A plain
-        # DynamicCache keeps every layer whole, so it crops; sliding layers get their window from the mask.
+        # Prefill. A plain DynamicCache keeps layers whole, so it crops; sliding layers take their window from the mask
         cache, prompt = DynamicCache(), torch.tensor(prompt_ids, device=device)         # prompt (P,)
         logits, features = target_forward(target, prompt, 0, cache, capture)            # (P, V), (P, n·H)
         _, bonus = verify(prompt[:0], logits[-1:], sampling, uniforms(K + 1))   # no drafts: argmax or a draw

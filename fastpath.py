@@ -321,9 +321,8 @@ def draft_layer(layer, gate_up, ctx_keys, ctx_values, x, table, positions, first
         gate, up = (u @ gate_up.T).chunk(2, dim=-1)
         return layer.mlp.down_proj(F.silu(gate) * up)
 
-    # the layer's DFlash2 convolutions around each sublayer (a DFlash layer's NoConv: none), as dflash.py's
-    x = x + layer.attention_conv(layer.input_layernorm(x), attention, W)
-    return x + layer.mlp_conv(layer.post_attention_layernorm(x), mlp, W)               # (W, H)
+    x = x + dflash.around(layer.attention_conv, layer.input_layernorm(x), attention, W)   # DFlash2: convolved
+    return x + dflash.around(layer.mlp_conv, layer.post_attention_layernorm(x), mlp, W)   # (W, H)
 
 
 def visible_slots(positions, causal: bool, window: int | None):

@@ -80,7 +80,7 @@ def naive_conv(x, taps, base):
 
 def around(conv, a, sublayer):
     """A sublayer with a layer's DFlash2 convolutions before and after it (a DFlash layer: none)."""
-    if not isinstance(conv, dflash.GroupedDynamicCausalConv):
+    if conv is None:
         return sublayer(a)
     C = conv.base_kernel.shape[1]
     taps = (a @ conv.kernel_projection.weight.T).view(len(a), 2, C, -1)                # (W, 2, C, G)
