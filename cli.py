@@ -57,6 +57,9 @@ def add_sampling_flags(p, seed_help: str, seed_default: int | None = None):
                    "losslessly")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 keeps all")
+    p.add_argument("--drafts", choices=["argmax", "sampled"], default="argmax", help="with --temperature > 0, what "
+                   "a DFlash drafter proposes: its argmax, or a draw from its own processed distribution (a "
+                   "DFlash2 drafter always draws from its selector's)")
     p.add_argument("--seed", type=int, default=seed_default, help=seed_help)
 
 
@@ -217,10 +220,21 @@ def printer(tokenizer):
     return print_tokens
 
 
-def stats_table(gen, seconds: float) -> str:
-    """A generation's tokens, rounds, τ, speed and acceptance per draft position, as the CLI prints them."""
+def drafter_kind(drafter) -> str:
+    """What drafted, in the stats: DFlash2 (its convolutions and selector), Laguna DFlash, DFlash, or none."""
+    if drafter is None:
+        return "none (the target alone)"
+    cfg = drafter.config
+    if drafter.candidate_selector is not None:
+        return f"DFlash2 (convolutions of {cfg.conv_kernel_size} taps, selector over {cfg.selector_top_k} candidates)"
+    return "Laguna DFlash" if cfg.gated else "DFlash"
+
+
+def stats_table(gen, seconds: float, drafter: str | None = None) -> str:
+    """A generation's drafter, tokens, rounds, τ, speed and acceptance per draft position, as the CLI prints them."""
     rates = [f"{a / d:.2f}" if d else "-" for a, d in zip(gen.position_accepted, gen.position_drafted)]
-    rows = [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", "-" if gen.tau is None else f"{gen.tau:.2f}"),
+    rows = [("drafter", drafter)] if drafter else []
+    rows += [("tokens", len(gen.tokens)), ("rounds", len(gen.rounds)), ("tau", "-" if gen.tau is None else f"{gen.tau:.2f}"),
             ("tokens/s", f"{len(gen.tokens) / seconds:.1f}")] + ([("accept@pos", " ".join(rates))] if rates else [])
     if getattr(gen, "interrupted", False):
         rows.append(("interrupted", "by Ctrl-C; the figures above cover the tokens before it"))
@@ -265,7 +279,7 @@ def main(argv=None, generate_fn=None):
     the JSON so far, from before the first token on), exit code 130."""
     args = parse_args(argv)
     device, dtype = device_and_dtype(args.device, args.dtype)
-    sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.drafts)
     require_seed(args.seed)
     require(args.target is None or args.draft is not None or args.target_only,
             f"--target = {args.target!r} needs --draft (or --target-only)")
@@ -273,7 +287,7 @@ def main(argv=None, generate_fn=None):
     require(all(t.lstrip("-").isdigit() for t in ids or []),
             f"--prompt-ids = {args.prompt_ids!r} must be comma-separated integers")
     quiet_transformers()
-    gen, printer_fn, tokenizer, t0 = Generation(tokens=[]), None, None, time.perf_counter()
+    gen, printer_fn, tokenizer, t0, kind = Generation(tokens=[]), None, None, time.perf_counter(), None
     try:
         target_path, draft_path = pair_paths(args.target, args.draft)
         tcfg = checkpoint.target_config(str(target_path))
@@ -290,6 +304,7 @@ def main(argv=None, generate_fn=None):
 
         target = checkpoint.load_target(str(target_path), dtype, device)
         drafter = None if args.target_only else checkpoint.load_drafter(str(draft_dir), target, dtype, device)
+        kind = drafter_kind(drafter)
         t0, generate_fn = time.perf_counter(), generate_fn or generate
         printer_fn = None if args.json else printer(tokenizer)
         gen = generate_fn(target, drafter, prompt_ids, args.max_new_tokens, num_drafts=K or None,
@@ -307,9 +322,9 @@ def main(argv=None, generate_fn=None):
     if args.json:
         text = tokenizer.decode(gen.tokens, skip_special_tokens=True) if tokenizer is not None else None
         print(json.dumps({"tokens": gen.tokens, "text": text, "acceptance_lengths": gen.acceptance_lengths,
-                          "tau": gen.tau, "rounds": gen.rounds, "interrupted": gen.interrupted}))
+                          "tau": gen.tau, "rounds": gen.rounds, "drafter": kind, "interrupted": gen.interrupted}))
     elif printer_fn is not None or not gen.interrupted:
-        print("\n" + stats_table(gen, seconds))
+        print("\n" + stats_table(gen, seconds, kind))
     if gen.interrupted:
         if printer_fn is None and not args.json:
             print("\ninterrupted", file=sys.stderr)

@@ -197,7 +197,7 @@ def main(argv=None):
     dflash.require(not out.exists() or out.is_dir(), f"--out {out} is a file; give a directory for eval.json")
     cli.quiet_transformers()
     device, dtype = cli.device_and_dtype(args.device, args.dtype)
-    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k)
+    sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k, args.drafts)
     args.target, args.draft = cli.pair_paths(args.target, args.draft)
     target, tokenizer = cli.load_target_and_tokenizer(args.target, dtype, device)
     drafter = checkpoint.load_drafter(args.draft, target, dtype, device)
@@ -212,7 +212,7 @@ def main(argv=None):
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
     report = {"target": args.target, "draft": args.draft, "impl": args.impl, "device": hardware,
               "dtype": str(dtype).removeprefix("torch."), "temperature": args.temperature, "top_p": args.top_p,
-              "top_k": args.top_k, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+              "top_k": args.top_k, "drafts": args.drafts, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
               "num_drafts": K, "datasets": {}}
     with ExitStack() as stack:
         generate_fn = functools.partial(dflash.generate, num_drafts=K)

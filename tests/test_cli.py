@@ -35,11 +35,24 @@ def test_cli_json_matches_generate(checkpoints, targets, tmp_path):
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
-    assert set(out) == {"tokens", "text", "acceptance_lengths", "tau", "rounds", "interrupted"}
-    assert out["interrupted"] is False
+    assert set(out) == {"tokens", "text", "acceptance_lengths", "tau", "rounds", "drafter", "interrupted"}
+    assert out["interrupted"] is False and out["drafter"] == "Laguna DFlash"
     assert_same_tokens(out["tokens"], hf_greedy(targets["laguna"], [5, 6, 7, 8], 12))
     assert out["tau"] == pytest.approx(sum(out["acceptance_lengths"]) / len(out["rounds"]))
     assert all(len(r["draft"]) <= 4 for r in out["rounds"])
+
+
+def test_cli_runs_a_dflash2_drafter_and_says_so(checkpoints, targets, tmp_path):
+    """`python dflash.py --draft <a DFlash2 dir>` runs it (its convolutions and selector): the target's greedy
+    decode, and the stats and JSON name the drafter's kind."""
+    draft = write_drafter(tmp_path / "d", "dflash2", block_size=5, layer_ids=(1, 3))
+    args = ("--target", str(checkpoints["qwen3"]), "--draft", str(draft), "--prompt-ids", "5,6,7,8",
+            "--max-new-tokens", "12", "--dtype", "float64", "--device", "cpu")
+    out = json.loads(run_cli(*args, "--json").stdout)
+    assert_same_tokens(out["tokens"], hf_greedy(targets["qwen3"], [5, 6, 7, 8], 12))
+    assert out["drafter"] == "DFlash2 (convolutions of 2 taps, selector over 4 candidates)"
+    text = run_cli(*args)
+    assert text.returncode == 0 and re.search(r"^\s+drafter  DFlash2 \(", text.stdout, re.M), text.stdout
 
 
 def test_cli_target_only_needs_no_drafter(checkpoints, targets):
