@@ -238,8 +238,7 @@ class CandidateSelector(nn.Module):
         u = self.hidden_projection(hidden)                                              # (N, r)
         previous, drafts, qs = anchor.reshape(1), [], []                              # (1,), indices kept on the device
         for t in range(len(hidden)):
-            pair = self.successor_codebook[candidates[t]] @ (self.predecessor_codebook[previous][0] * u[t])   # (k,)
-            scores = unary[t] + pair                                                    # (k,)
+            scores = self.scores(unary[t], candidates[t], previous, u[t])              # (k,)
             if temperature == 0:
                 pick = scores.argmax().reshape(1)
             else:
@@ -248,6 +247,10 @@ class CandidateSelector(nn.Module):
             previous = candidates[t][pick]                                              # (1,)
             drafts.append(previous)
         return torch.cat(drafts), candidates, torch.stack(qs) if qs else None
+
+    def scores(self, unary, candidates, previous, u):
+        """A row's candidates (k,) scored: their logits plus Σ_r A[previous, r] · u[r] · B[candidate, r]."""
+        return unary + self.successor_codebook[candidates] @ (self.predecessor_codebook[previous][0] * u)
 
 
 class Drafter(nn.Module):
@@ -296,8 +299,7 @@ class Drafter(nn.Module):
 TARGET_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def decoder_layers(target: nn.Module) -> nn.ModuleList:
-    """The target's decoder stack: the ModuleList with one entry per hidden layer."""
+def decoder_layers(target: nn.Module) -> nn.ModuleList:   # the ModuleList with one entry per hidden layer
     num_layers = target.config.get_text_config().num_hidden_layers
     layers = next((m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers), None)
     require(layers is not None, f"target: no decoder stack of {num_layers} layers found")
@@ -510,8 +512,7 @@ class Generation:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else None
 
 
-def request_limits(target, drafter=None) -> dict:
-    """What a request is checked against: the target's embedding rows and positions, the drafter's block."""
+def request_limits(target, drafter=None) -> dict:   # the target's embedding rows and positions, the block
     return dict(vocab_rows=target.get_input_embeddings().weight.shape[0],
                 max_positions=target.config.get_text_config().max_position_embeddings,
                 block_size=None if drafter is None else drafter.config.block_size)
@@ -530,8 +531,7 @@ def check_request(prompt_ids, max_new_tokens, num_drafts, *, vocab_rows, max_pos
                 f"(the drafter's block_size is {block_size})")
 
 
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during generate: `generation` holds every round committed before it, marked interrupted."""
+class Interrupted(KeyboardInterrupt):   # Ctrl-C in generate: `generation` holds every round committed before it
     def __init__(self, generation: "Generation"):
         super().__init__("interrupted")
         self.generation = generation

@@ -57,10 +57,11 @@ def test_an_interrupted_conformance_write_leaves_the_old_case_whole(tmp_path, mo
 
 
 def test_every_case_covers_what_the_kit_promises():
-    """Seven cases: z-lab full attention, the newer layout with a biting window, and with its causality
+    """Eight cases: z-lab full attention, the newer layout with a biting window, and with its causality
     override off, RoPE bases per layer type and the default layer ids, Laguna, K < B-1 at both compute
-    widths, and a sampled case (temperature, top-p and top-k) whose output is not its greedy decode;
-    Qwen3, Llama and Laguna targets; each accepts a draft within its recorded rounds; every pair stays small."""
+    widths, a sampled case (temperature, top-p and top-k) whose output is not its greedy decode, and
+    DFlash2 with its convolution and selector stages; Qwen3, Llama and Laguna targets; each accepts a draft
+    within its recorded rounds; the sampled case alone records uniforms; every pair stays small."""
     specs = {n: json.loads((conformance.KIT / n / "case.json").read_text()) for n in conformance.CASES}
     families = {json.loads((conformance.KIT / n / "target" / "config.json").read_text())["model_type"] for n in specs}
     assert families == {"qwen3", "llama", "laguna"}
@@ -75,7 +76,10 @@ def test_every_case_covers_what_the_kit_promises():
         expected = load_file(conformance.KIT / name / "expected.safetensors")
         assert any(int(expected[f"accepted.{r}"]) > 0 for r in range(1, conformance.ROUNDS + 1)
                    if f"accepted.{r}" in expected), name
-        assert {k.rsplit(".", 1)[0] for k in expected} == set(conformance.STAGES) | {"tokens"}, name
+        dflash2_stages = {"conv", "candidates", "selector_scores"}
+        stages = set(conformance.STAGES) - (set() if name == "dflash2" else dflash2_stages) \
+            - (set() if spec["request"]["temperature"] > 0 else {"uniforms"})   # greedy rounds draw nothing
+        assert {k.rsplit(".", 1)[0] for k in expected} == stages | {"tokens"}, name
         assert sum(p.stat().st_size for p in (conformance.KIT / name).rglob("*") if p.is_file()) < 600_000, name
     both_sides = json.loads((conformance.KIT / "zlab-new-bidirectional" / "drafter" / "config.json").read_text())
     assert both_sides["dflash_config"]["causal"] is False and "target_layer_ids" not in both_sides["dflash_config"]
@@ -123,10 +127,11 @@ def rejects_after_the_recorded_rounds(target, drafter, request):
     the same, only its acceptance differs."""
     real_verify, calls = dflash.verify, [0]
 
-    def verify(drafts, logits, sampling, uniforms):
+    def verify(drafts, logits, sampling, uniforms, draft_probs=None):
         calls[0] += 1   # the prefill's, then one a round
         late = calls[0] > conformance.ROUNDS + 1
-        return real_verify(drafts[:0] if late else drafts, logits[:1] if late else logits, sampling, uniforms)
+        return real_verify(drafts[:0] if late else drafts, logits[:1] if late else logits, sampling, uniforms,
+                           None if late else draft_probs)
     with mock.patch.object(dflash, "verify", verify):   # patched first, so the recorder wraps it
         return conformance.record_reference(target, drafter, request)[0]
 
@@ -165,7 +170,7 @@ def one_rope_base(drafter):
 
 def greedy_verifier(accepted_of):
     """A port whose greedy verification counts accepted drafts as accepted_of(drafts, target's argmaxes) does."""
-    def verify(drafts, logits, sampling, uniforms):
+    def verify(drafts, logits, sampling, uniforms, draft_probs=None):
         chosen = logits.argmax(-1)                                                      # (k+1,)
         accepted = accepted_of(drafts, chosen)
         return accepted, int(chosen[accepted])
@@ -202,7 +207,40 @@ def test_greedy_cases_fail_a_verifier_that_compares_wrongly(name):
     assert passed == ({"zlab-new-bidirectional"} if name == "matches counted past the first miss" else set())
 
 
+def convolution_carried_over(target, drafter, request):
+    """A DFlash2 port whose convolution runs the blocks as one stream: a block's first rows see the last
+    block's rows, not zeros."""
+    real, last = dflash.convolve, {}
+
+    def convolve(x, taps, base, block):
+        key = (base.data_ptr(), x.shape[-1], taps.shape[-2])        # each convolution of each layer, its own stream
+        before = last.get(key, torch.zeros_like(x))
+        last[key] = x
+        both = real(torch.cat([before, x]), torch.cat([taps, taps]), base, 2 * block)   # taps of the block's rows
+        return both[block:]
+    with mock.patch.object(dflash, "convolve", convolve):   # patched first, so the recorder wraps it
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def walk_from_the_mask_token(target, drafter, request):
+    """A DFlash2 port that starts the selector's walk from the mask token, not the bonus."""
+    real = dflash.CandidateSelector.forward
+    with mock.patch.object(dflash.CandidateSelector, "forward",
+                           lambda self, h, l, anchor, *rest: real(self, h, l, torch.full_like(anchor, 7), *rest)):
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def codebooks_left_at_init(drafter):
+    """A DFlash2 port that reads its codebooks as `.weight` tensors, finds none, and keeps their init."""
+    with torch.no_grad():
+        drafter.candidate_selector.predecessor_codebook.normal_(generator=torch.Generator().manual_seed(0))
+
+
 BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must name, a word of its pitfall)
+    "DFlash2 convolution carried over blocks": ("dflash2", convolution_carried_over, "conv", "carrying the last block"),
+    "DFlash2 codebooks left at their init": ("dflash2", with_drafter_change(codebooks_left_at_init), "selector_scores",
+                                             "codebooks"),
+    "DFlash2 walk seeded with the mask token": ("dflash2", walk_from_the_mask_token, "selector_scores", "seeded"),
     "causality override ignored": ("zlab-new-bidirectional", with_drafter_change(lambda d: [
         setattr(layer, "causal", layer.window is not None) for layer in d.layers]), "hidden", "causality override"),
     "window on one side only": ("zlab-new-bidirectional", one_sided_window, "hidden", "one side only"),
@@ -231,13 +269,13 @@ def sampling_port(change):
     logits, sampling, uniforms) does."""
     def run(target, drafter, request):
         real_verify = dflash.verify
-        with mock.patch.object(dflash, "verify", lambda *args: change(real_verify, *args)):
+        with mock.patch.object(dflash, "verify", lambda *args: change(real_verify, *args[:4])):
             return conformance.record_reference(target, drafter, request)[0]
     return run
 
 
 def draw_from_p(verify, drafts, logits, sampling, uniforms):   # after a rejection, p itself, not the residual
-    with mock.patch.object(dflash, "residual", lambda probs, token: probs):
+    with mock.patch.object(dflash, "residual", lambda p, q: p):
         return verify(drafts, logits, sampling, uniforms)
 
 
@@ -272,6 +310,50 @@ def test_checker_names_the_stage_each_pitfall_breaks(pitfall):
     assert result["first"] is not None and result["first"]["stage"] == stage, conformance.report(result)
     assert "missing" not in result["results"].values() and word in result["first"]["pitfall"]
     assert f"first difference: {result['first']['key']} ({stage}); usually" in conformance.report(result)
+
+
+def test_checker_gives_no_verdict_on_tokens_alone_and_says_how_much_it_compared():
+    """A dump of tokens and acceptance lengths alone is given no verdict, even when both match: a drafter
+    bug does not change the tokens the target verifies. The report says how much of the case was compared."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "zlab-qwen3")
+    full = conformance.record_fastpath(target, drafter, spec["request"])
+    result = conformance.check(conformance.KIT / "zlab-qwen3", {k: full[k] for k in ("tokens", "acceptance_lengths")})
+    assert result["first"] is None and not conformance.verdict(result)
+    text = conformance.report(result)
+    assert "no verdict: only tokens and acceptance_lengths were compared" in text
+    assert f"compared 2 of the case's {result['total']} values" in text and result["total"] > 40
+    assert conformance.verdict(conformance.check(conformance.KIT / "zlab-qwen3", full))
+
+
+def test_a_bf16_dump_fails_at_float32_tolerances_and_passes_at_a_bf16_one():
+    """The case's float32 values rounded to bf16 differ at its own tolerances; one tolerance for the float
+    stages (3e-2, as `check --tolerance` takes it) lets them pass while the exact stages stay exact."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "dflash2")
+    full = conformance.record_fastpath(target, drafter, spec["request"])
+    rounded = {k: v.to(torch.bfloat16).float() if v.is_floating_point() else v for k, v in full.items()}
+    assert conformance.check(conformance.KIT / "dflash2", rounded)["first"] is not None
+    assert conformance.verdict(conformance.check(conformance.KIT / "dflash2", rounded, tolerance=3e-2))
+    wrong = rounded | {"drafts.1": rounded["drafts.1"].flip(0)}
+    assert conformance.check(conformance.KIT / "dflash2", wrong, tolerance=3e-2)["first"]["stage"] == "drafts"
+
+
+def test_checker_points_at_the_capture_and_the_round():
+    """A features column that differs is named by its capture and target layer; acceptance lengths that
+    part, by their first differing round, whatever their lengths."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "zlab-qwen3")
+    full = conformance.record_fastpath(target, drafter, spec["request"])
+    H = drafter.config.hidden_size
+    features = full["features.0"].clone()
+    features[2, H + 3] += 1.0                                                       # capture 1's column 3
+    result = conformance.check(conformance.KIT / "zlab-qwen3", {"features.0": features})
+    layer = drafter.config.target_layer_ids[1]
+    assert result["first"]["note"] == (f"column {H + 3} is capture 1 of {len(drafter.config.target_layer_ids)}: "
+                                       f"the output of target layer {layer} (0-based; HF hidden_states[{layer + 1}]), "
+                                       "row 2 its position")
+    lengths = full["acceptance_lengths"].tolist()
+    changed = torch.tensor(lengths[:4] + [lengths[4] + 1] + lengths[5:] + [1])
+    result = conformance.check(conformance.KIT / "zlab-qwen3", {"acceptance_lengths": changed})
+    assert result["first"]["note"] == "round 5 is the first whose acceptance length differs"
 
 
 def test_checker_lets_near_tied_top5_ids_come_in_either_order():
