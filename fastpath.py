@@ -17,9 +17,9 @@ names. Every difference from dflash.py:
     any other target (Laguna's MoE, sliding windows, biases) runs its own forward over transformers'
     static cache (`ModelTarget`), whose capture hooks are registered once per Decoder and removed by
     `close()`; targets that cache compressed keys and values (MLA) are refused;
-  - attention by buffer slot (`attend_upto`: a query sees one range of slots, up to its own in the
-    target, the committed context and the block in the drafter, whose block k/v are written into the
-    context buffers at the block's slots), with grouped heads (K/V never repeated), where dflash.py
+  - attention by buffer slot (`attend_upto`, triton_ops.py: a query sees one range of slots, up to its own
+    in the target, the committed context and the block in the drafter, whose block k/v are written into
+    the context buffers at the block's slots), with grouped heads (K/V never repeated), where dflash.py
     calls SDPA over the committed positions only. On CUDA it is a Triton kernel that reads K/V only
     over that range, scores and softmax in fp32 registers; elsewhere its twin `attend`, a masked
     softmax over all buffer slots, scores in the working dtype and softmax in at least fp32 (float64
@@ -31,7 +31,9 @@ names. Every difference from dflash.py:
     append) are each compiled with fullgraph=True and captured as a CUDA graph on first use. A
     target whose step cannot be traced as one graph or captured (an MoE routed on the host) runs the
     same step eagerly with the same buffers, and a message says so;
-  - one host read per step, the accepted tokens; sampling's uniforms are drawn outside the graphs.
+  - one host read per step, the accepted tokens; sampling's uniforms are drawn outside the graphs, and the
+    drafts' distribution q, where drafts are drawn (DFlash2 at T > 0), waits in a static buffer for verify.
+A DFlash2 drafter's convolutions and candidate walk run as dflash.py's own modules inside the draft part.
 On CPU the same code runs eagerly, without graphs, so the reference-equality tests run anywhere.
 
     $ python fastpath.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
@@ -187,7 +189,7 @@ def stored(t):
 
 class DenseTarget:
     """A Llama/Qwen3 decoder stack run here: one [q;k;v] and one [gate;up] matmul per layer, K/V in
-    static per-layer (Bt, hk, C, d) buffers (Bt = 1 for a Decoder; train.BatchDecoder decodes many
+    static per-layer (Bt, hk, C, d) buffers (Bt = 1 for a Decoder; distill.BatchDecoder decodes many
     rows), attention by `attend`. Embedding, norms, rotary embedding, o/down projections and LM head
     are the model's own modules, so the math is the model's."""
 
@@ -228,7 +230,7 @@ class DenseTarget:
         """Bt rows at once, the first Bt of the buffers, each a sequence whose buffer slot is its
         position: ids (Bt, N) at slots (Bt, N), their K/V written there; a query at slot s sees its
         row's slots 0..s -> final-normed hidden states (Bt, N, H) and captured features (Bt, N, n·H).
-        `layer_fn` runs each layer (default `dense_layer`; train.BatchDecoder passes a compiled one)."""
+        `layer_fn` runs each layer (default `dense_layer`; distill.BatchDecoder passes a compiled one)."""
         model, layer_fn, Bt = self.target.model, layer_fn or dense_layer, len(ids)
         x = model.embed_tokens(ids)                                                     # (Bt, N, H)
         # rows past the model's last position (a verify's, near the end of a request, that cannot be

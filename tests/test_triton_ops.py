@@ -27,7 +27,7 @@ def test_attend_upto_is_causal_attention_by_slot():
     q = torch.randn(Bt, N, h, d, dtype=torch.float64, generator=g)
     keys, values = (torch.randn(Bt, hk, S, d, dtype=torch.float64, generator=g) for _ in range(2))
     last = torch.randint(0, S, (Bt, N), generator=g)
-    got = fastpath.attend_upto(q, keys, values, last, 0.3).view(Bt, N, h, d)
+    got = triton_ops.attend_upto(q, keys, values, last, 0.3).view(Bt, N, h, d)
     for b in range(Bt):
         for n in range(N):
             upto = int(last[b, n]) + 1
