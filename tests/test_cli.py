@@ -170,8 +170,8 @@ BAD_CHECKPOINTS = {
     "DFlash2 conv tensor missing": ("dflash2", lambda p: drop_tensors(p, "layers.1.mlp_conv.base_kernel"),
                                     "draft weights: 1 tensors missing, e.g. ['layers.1.mlp_conv.base_kernel']"),
     "unknown architecture": ("zlab", set_top(architectures=["LlamaForCausalLM"]), "draft config: 'architectures' "
-                             "= ['LlamaForCausalLM'] is not a DFlash drafter (DFlashDraftModel, or a Laguna DFlash "
-                             "drafter); refusing to guess its layout"),
+                             "= ['LlamaForCausalLM'] is not a DFlash drafter (DFlashDraftModel, DFlash2DraftModel, or a "
+                             "Laguna DFlash drafter); refusing to guess its layout"),
     "mask embedding file": ("zlab", lambda p: torch.save(torch.zeros(H), p / "mask_embedding.pt"),
                             "draft weights: ['mask_embedding.pt'] in {d} not supported: a learned mask embedding "
                             "would be replaced by the target's embedding row, a draft-vocabulary map would be "
@@ -375,7 +375,7 @@ BAD_FLAGS = {
                                                 "--prompt-len + --new-tokens = 4050 (at least 64 for the HF rows) "
                                                 "leaves no room for a block in the target's 4096 positions"),
     "bench --skip misspelt": ("bench.py", ["--skip", "fast, dflash_ref"], "--skip: ['dflash_ref'] are not rows; "
-                              "use fast, layers, dflash-ref, hf-eager, hf-static-compile"),
+                              "use fast, dflash2, layers, dflash-ref, hf-eager, hf-static-compile"),
     "bench --out in a missing dir": ("bench.py", ["--out", "{tmp}/nowhere/b.json"],
                                      "--out {tmp}/nowhere/b.json: its directory does not exist"),
     "bench_train --steps 0": ("bench_train.py", ["--steps", "0"], "--steps = 0 must be at least 1"),
