@@ -13,7 +13,7 @@ one run, after warm-up:
   train     one optimizer step of the packed forward over every anchor of a batch of sequences, for
             3 and 5 drafter layers: features cached (gathered from a flat device cache) or live (a
             target pass per step); the head's cross-entropy chunked through the frozen head
-            (train.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
+            (loss.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
             cross-entropy where it is installed; eager or compiled as
             train.py --compile compiles (the drafter's forward and the head's loss chunk), unrounded
             or with shapes rounded up (--pad-shapes 64 512).
@@ -48,6 +48,7 @@ import cli
 import dflash
 import distill
 import files
+import loss
 import packed
 import train
 
@@ -145,7 +146,7 @@ def full_logits_loss(target, hidden, labels, weights):
     labels = labels.to(hidden.device)
     keep = labels != packed.IGNORE
     w = weights.expand_as(labels)[keep]
-    ce = F.cross_entropy(train.lm_logits(target, hidden[keep]), labels[keep], reduction="none")
+    ce = F.cross_entropy(loss.lm_logits(target, hidden[keep]), labels[keep], reduction="none")
     return (w * ce).sum() / w.sum()
 
 
@@ -153,7 +154,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
     """One row per run (features, loss, pad_shapes, compiled), each on a fresh drafter."""
     raw = train.new_drafter_config(target, layers, 16, target.get_input_embeddings().weight.shape[0] - 1, 5)
     layer_ids = raw["dflash_config"]["target_layer_ids"]
-    weights = train.position_weights(16, 7.0, "cuda")
+    weights = loss.position_weights(16, 7.0, "cuda")
     cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
     live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
     rows = []
@@ -165,7 +166,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             train.compile_drafter(drafter)   # as train --compile compiles it
         store, loss_fn = {"cached": cached, "live": live}[store_name], losses[loss_name]
         if compiled and loss_name == "chunked":   # as train --compile: the head's loss chunk compiled too
-            loss_fn = functools.partial(train.block_loss, chunk_grad=train.head_loss_chunk(True))
+            loss_fn = functools.partial(loss.block_loss, chunk_grad=loss.head_loss_chunk(True))
         # batches of their own for each run: shapes that an earlier run met are cheaper to meet again
         # (cuDNN plans, the allocator), and training rarely meets a shape twice
         g = torch.Generator().manual_seed(run)
@@ -181,10 +182,10 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             blocks = packed.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
                                        g, labels=labels, pad_to=pad[1])
             with train.autocast(features.device):
-                loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
-                               weights)
+                step_loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
+                                    weights)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            step_loss.backward()
             optimizer.step()
             torch.cuda.synchronize()
             if i >= 3:
@@ -250,7 +251,7 @@ def main(argv=None):
     if "train" not in skip:
         sequences = [distill.Sequence(torch.randint(0, vocab - 2, (int(n),), generator=g), 100)
                      for n in torch.randint(300, 613, (TRAIN_SEQUENCES,), generator=g)]
-        losses = {"chunked": train.block_loss, "full-logits": full_logits_loss}
+        losses = {"chunked": loss.block_loss, "full-logits": full_logits_loss}
         try:
             import liger_kernel  # noqa: F401
             losses["liger-fused"] = liger_loss

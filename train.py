@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 import checkpoint
@@ -43,8 +42,24 @@ import distill
 from dflash import DFlashError, Drafter, require
 from distill import Sequence
 from files import replace_files
-from triton_ops import head_chunk_grad, triton, triton_head_chunk_grad
-from packed import IGNORE, Blocks, choose_anchors, make_blocks, pad_positions, pad_sequences, packed_forward, to_device
+from loss import (
+    COMPILE,
+    block_loss,
+    head_loss_chunk,
+    lm_logits,
+    position_weights,
+    selector_walk,
+)
+from packed import (
+    IGNORE,
+    Blocks,
+    choose_anchors,
+    make_blocks,
+    packed_forward,
+    pad_positions,
+    pad_sequences,
+    to_device,
+)
 
 # -----------------------------------------------------------------------------
 # A new drafter for a target, in the z-lab format (spec §6)
@@ -135,6 +150,25 @@ def grown(target, drafter: Drafter, raw: dict, num_layers: int) -> tuple[Drafter
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     return bigger.to(next(drafter.parameters()).dtype), raw
+
+
+def as_dflash2(target, drafter: Drafter, raw: dict, sizes: dict) -> tuple[Drafter, dict]:
+    """A DFlash drafter made DFlash2 (spec §9), and its config: DFlash2's architecture and its four sizes; the
+    weights it has, each layer's convolutions at the identity (as a DFlash2 layer is made) and the selector
+    ready to learn (init_selector), so that it drafts exactly what `drafter` drafts until training moves them."""
+    raw = raw | {"architectures": ["DFlash2DraftModel"], "dflash_config": raw["dflash_config"] | sizes}
+    dflash2 = new_drafter(target, raw)
+    dflash2.load_state_dict(drafter.state_dict(), strict=False)   # all of drafter's; the new parts keep their init
+    init_selector(dflash2.candidate_selector)
+    return dflash2.to(next(drafter.parameters()).dtype), raw
+
+
+def init_selector(selector):
+    """A new selector's pair term: zero (the successor codebook at zero, so the walk takes each row's argmax
+    at first), with the predecessor codebook drawn N(0, 1): were both zero, neither would get a gradient."""
+    with torch.no_grad():
+        selector.predecessor_codebook.normal_()
+        selector.successor_codebook.zero_()
 
 
 @torch.no_grad()
@@ -250,39 +284,6 @@ def draft_hidden(target, drafter: Drafter, blocks: Blocks, features):
     return packed_forward(drafter, c, x, blocks.sequence, blocks.anchors)
 
 
-def lm_logits(target, hidden):
-    """The target's (frozen) LM head on drafter states, in the head's dtype; logits in float32 at least."""
-    head = target.get_output_embeddings()
-    return head(hidden.to(head.weight.dtype)).to(torch.promote_types(head.weight.dtype, torch.float32))   # (M, V)
-
-
-def position_weights(block_size: int, gamma: float, device=None, dtype=torch.float32):
-    """w_k = exp(-(k-1)/γ) for block rows k ≥ 1, in float64 then `dtype` (the drafter's: float32 in
-    training, float64 where it is held to float64 math); the bonus row 0 has no label and weight 0."""
-    k = torch.arange(block_size, dtype=torch.float64, device=device)                  # (B,)
-    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k)).to(dtype)
-
-
-def soft_chunk_grad(logits, teacher_logits, row_weights):
-    """head_chunk_grad for logit distillation: logits and the teacher's logits (c, V) in the head's
-    dtype, row weights (c,) -> Σ w · KL(q ‖ p), q and p the softmax of the teacher's and the drafter's
-    logits, and its gradient to the logits, w · (p − q); the softmaxes in float32 (float64 for a
-    float64 head). Zero when the drafter's distribution is the target's."""
-    exact = torch.promote_types(logits.dtype, torch.float32)
-    log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
-    log_q = teacher_logits.to(exact).log_softmax(-1)                                  # (c, V)
-    q = log_q.exp()
-    loss = (row_weights * (q * (log_q - log_p)).sum(-1)).sum()
-    d_logits = (log_p.exp() - q) * row_weights[:, None]                               # (c, V)
-    return loss, d_logits.to(logits.dtype)
-
-
-# Training's torch.compile settings. Inductor's FX graph cache (and with it AOTAutograd's) is off: on
-# the H200 (torch 2.11) a process that found the drafter's graphs in the cache stepped 3-4x slower
-# than the process that compiled them (222 against 54 ms a step, the same losses; off: 55-57 ms).
-COMPILE = {"dynamic": True, "options": {"fx_graph_cache": False}}
-
-
 def compile_drafter(drafter: Drafter):
     """train --compile, in place (the module, its parameters and their names stay the checkpoint's): the
     drafter's forward, and the context's path that the packed forward runs over every sequence's whole
@@ -295,85 +296,24 @@ def compile_drafter(drafter: Drafter):
         layer.context_kv = torch.compile(layer.context_kv, **COMPILE)
 
 
-def head_loss_chunk(compiled: bool, soft: bool = False):
-    """The chunk function FrozenHeadCrossEntropy runs. Cross-entropy: on CUDA (below float64) one
-    Triton kernel, triton_head_chunk_grad; elsewhere head_chunk_grad, for `train --compile` compiled
-    (inductor, dynamic rows: one compile serves every chunk length). Logit distillation:
-    soft_chunk_grad, compiled the same way for --compile."""
-    if soft:
-        return torch.compile(soft_chunk_grad, **COMPILE) if compiled else soft_chunk_grad
-    twin = torch.compile(head_chunk_grad, **COMPILE) if compiled else head_chunk_grad
-
-    def chunk_grad(logits, labels, row_weights):
-        if logits.is_cuda and triton is not None and logits.dtype != torch.float64:
-            return triton_head_chunk_grad(logits, labels, row_weights)
-        return twin(logits, labels, row_weights)
-    return chunk_grad
-
-
-class FrozenHeadCrossEntropy(torch.autograd.Function):
-    """Σ_r w_r · CE(h_r Wᵀ + b, y_r) through the frozen LM head W (b its bias, if it has one, as the head
-    module drafts with it at inference), without the whole (M, V) logits: rows go
-    through the head CE_CHUNK at a time, and each chunk's gradient with respect to its rows,
-    w · (softmax − onehot) @ W, is taken in the forward pass (W needs none); backward only scales it.
-    Logits in the head's dtype, softmax in float32 (float64 for a float64 head), as lm_logits.
-    `chunk_grad` is head_chunk_grad or what head_loss_chunk returns. With teacher states t_r (M, H),
-    the loss is logit distillation instead: Σ_r w_r · KL(softmax(t_r Wᵀ) ‖ softmax(h_r Wᵀ)), the
-    teacher's logits made chunk by chunk too, and chunk_grad is soft_chunk_grad (or it compiled)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad, teacher=None,
-                bias=None):
-        loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
-        rows, grads = hidden.to(weight.dtype), []   # cast once, joined once: not a cast and a copy a chunk
-        for i in range(0, len(rows), chunk):
-            logits = F.linear(rows[i:i + chunk], weight, bias)                        # (c, V)
-            wanted = labels[i:i + chunk] if teacher is None else F.linear(teacher[i:i + chunk].to(weight.dtype),
-                                                                           weight, bias)
-            chunk_loss, d_logits = chunk_grad(logits, wanted, row_weights[i:i + chunk])
-            loss += chunk_loss
-            grads.append(d_logits @ weight)                                           # (c, H)
-        ctx.save_for_backward(torch.cat(grads).to(hidden.dtype))                      # (M, H)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None
-
-
-CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) logits at a time
-
-
-def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teacher=None):
-    """Cross-entropy through the target's LM head, weighted by block row, normalised by the weight sum.
-    hidden (M, B, H), labels (M, B) on the host (make_blocks', so that finding the labelled rows waits
-    for no kernel), weights (B,); chunk_grad as FrozenHeadCrossEntropy's. With teacher states (M, B, H)
-    (block_teacher), the KL to the target's distribution at each labelled row instead (chunk_grad
-    soft_chunk_grad)."""
-    device, flat = hidden.device, labels.flatten()                                    # (M·B,)
-    rows = (flat != IGNORE).nonzero()[:, 0]                                           # (R,) the labelled rows
-    rows_here = to_device(rows, device)
-    w = weights[rows_here % labels.shape[1]]                                          # (R,)
-    head = target.get_output_embeddings()                                             # W (V, H), its bias or None
-    wanted = None if teacher is None else teacher.flatten(0, 1)[rows_here]            # (R, H)
-    return FrozenHeadCrossEntropy.apply(hidden.flatten(0, 1)[rows_here], head.weight, to_device(flat[rows], device),
-                                        w, CE_CHUNK, chunk_grad, wanted, head.bias) / w.sum()
-
-
 def step_flops(drafter: Drafter, target, blocks: Blocks, N: int, soft: bool = False) -> float:
     """Matmul FLOPs of one training step (padded context included), forward and backward:
     context projection and K/V over Bt·N positions, the layers over M·B rows attending to N+B keys
     (its sequence's other block rows, masked, and the packed forward's empty slots are not counted),
     and the frozen head over the labelled rows (its forward and the gradient to the rows; with `soft`,
-    the teacher's logits too)."""
+    the teacher's logits too). DFlash2 adds its convolutions' tap projections over the block rows, and
+    over the labelled rows the selector's projection, its candidates' logits and their low-rank terms."""
     cfg, tcfg = drafter.config, target.config.get_text_config()
     H, h, hk, d, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     context = len(blocks.lengths) * N * (drafter.fc.weight.numel() + L * 2 * hk * d * H)
     rows = blocks.block_ids.numel()
     layer = (h + 2 * hk) * d * H + h * d * H + 3 * H * cfg.intermediate_size + 2 * h * d * (N + cfg.block_size)
     head_rows = int((blocks.labels != IGNORE).sum())
-    return 3 * 2 * (context + rows * L * layer) + (3 if soft else 2) * 2 * head_rows * H * tcfg.vocab_size
+    selector = 0
+    if cfg.selector_rank:
+        layer += 2 * (2 * cfg.conv_kernel_size * H // cfg.conv_group_size) * H
+        selector = head_rows * (cfg.selector_rank * H + cfg.selector_top_k * (H + cfg.selector_rank))
+    return 3 * 2 * (context + rows * L * layer + selector) + (3 if soft else 2) * 2 * head_rows * H * tcfg.vocab_size
 
 
 @torch.no_grad()
@@ -398,7 +338,10 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
             with autocast(features.device):
                 hidden = draft_hidden(target, drafter, blocks, features)              # (M, B, H)
             labels = blocks.labels[:, 1:].to(hidden.device)                           # (M, B-1)
-            drafts = lm_logits(target, hidden[:, 1:]).argmax(-1)                      # (M, B-1)
+            logits = lm_logits(target, hidden[:, 1:])                                 # (M, B-1, V)
+            selector = drafter.candidate_selector   # DFlash2 drafts the selector's walk, DFlash the argmax
+            drafts = logits.argmax(-1) if selector is None else \
+                selector_walk(selector, hidden[:, 1:], logits, to_device(blocks.block_ids[:, 0], hidden.device))   # (M, B-1)
             run = (drafts == labels).long().cumprod(-1).sum(-1).tolist()             # (M,) accepted, zero after a miss
             for b, a, accepted in zip(blocks.sequence.tolist(), blocks.anchors.tolist(), run):
                 accepted_at[b][a] = accepted
@@ -470,6 +413,7 @@ class TrainConfig:
     pad_shapes: tuple[int, int] = (1, 1)   # a step's context length and block count rounded up to multiples of these
     compile: bool = False           # torch.compile the drafter (compile_drafter) and the head's loss (dynamic shapes)
     soft_labels: bool = False       # logit distillation: KL to the target's distribution, not CE to its argmax
+    selector_weight: float = 1.0    # DFlash2: α, the selector loss's weight beside the drafts' cross-entropy
     seed: int = 0                   # sequence order and anchors
 
 
@@ -664,7 +608,8 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                     with autocast(device):
                         hidden = draft_hidden(target, drafter, blocks, features)
                         loss = block_loss(target, hidden, blocks.labels, weights, chunk_grad,
-                                          None if teacher is None else block_teacher(teacher, blocks))
+                                          None if teacher is None else block_teacher(teacher, blocks),
+                                          drafter.candidate_selector, blocks.block_ids, cfg.selector_weight)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -826,8 +771,25 @@ def cmd_train(args):
         raw = new_drafter_config(target, args.layers, args.block_size, mask_token_id,
                                  args.num_features or default_num_features(T))
         drafter = new_drafter(target, raw)
+    sizes = {name: getattr(args, name) for name in checkpoint.DFLASH2_DEFAULTS}   # given on the command line
+    if drafter.candidate_selector is not None:   # a DFlash2 --init keeps its sizes
+        for name, given in sizes.items():
+            require(given in (None, getattr(drafter.config, name)), f"--{name.replace('_', '-')} = {given} but the "
+                    f"--init drafter's is {getattr(drafter.config, name)}: a checkpoint keeps its sizes (leave the flag out)")
+    elif args.dflash2:
+        sizes = {name: checkpoint.DFLASH2_DEFAULTS[name] if given is None else given for name, given in sizes.items()}
+        drafter, raw = as_dflash2(target, drafter, raw, sizes)
+        if args.init:
+            print(f"--init {args.init}: made DFlash2 ({', '.join(f'{k} {v}' for k, v in sizes.items())}); it drafts "
+                  f"as the DFlash drafter did until training moves its convolutions and selector", file=sys.stderr)
+    else:
+        given = [name for name, value in sizes.items() if value is not None]
+        require(not given, f"--{given[0].replace('_', '-') if given else ''} sizes a DFlash2 drafter: add --dflash2")
+    scaled = [name for name, plain in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                                       ("final_logit_softcapping", None)) if getattr(drafter.config, name) != plain]
+    require(not scaled, f"--init {args.init}: its config sets {', '.join(scaled)}, which training does not apply")
     layer_ids = raw["dflash_config"]["target_layer_ids"]
-    print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, {args.layers} layers, "
+    print(f"drafter{' (DFlash2)' if drafter.candidate_selector is not None else ''}: {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, {args.layers} layers, "
           f"block {args.block_size}, mask id {drafter.config.mask_token_id}, target layers {layer_ids}; "
           f"{len(training)} training sequences, {len(heldout)} held out"
           + "".join(f", {len(held)} from {path}" for path, held in more_heldout.items()), file=sys.stderr)
@@ -839,7 +801,7 @@ def cmd_train(args):
                       warmup=args.warmup, weight_decay=args.weight_decay, gamma=args.gamma,
                       eval_every=args.eval_every, max_steps=args.max_steps, time_budget=args.time_budget,
                       cache_tokens=args.cache_tokens, pad_shapes=tuple(args.pad_shapes), compile=args.compile,
-                      soft_labels=args.soft_labels, seed=args.seed)
+                      soft_labels=args.soft_labels, selector_weight=args.selector_weight, seed=args.seed)
     at_init = None   # the checkpoint's held-out τ before this phase: where its line starts
     if args.init and (heldout or more_heldout):
         at_init = heldout_entry(target, drafter, heldout, more_heldout, args.batch_size)
@@ -894,6 +856,14 @@ def parse_args(argv=None):
                    "appends new layers that start at zero output, so training starts from the checkpoint's drafts")
     s.add_argument("--init", help="start from this drafter checkpoint instead of a fresh one (continued training; "
                    "default: a fresh drafter)")
+    s.add_argument("--dflash2", action="store_true", help="train a DFlash2 drafter (a convolution around each "
+                   "sublayer and a candidate selector); with --init a DFlash drafter, they are added to it, the "
+                   "convolutions as the identity and the selector taking each row's argmax, so training starts "
+                   "from its drafts")
+    for name, value in checkpoint.DFLASH2_DEFAULTS.items():
+        s.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"with --dflash2 (default {value})")
+    s.add_argument("--selector-weight", type=float, default=1.0, help="DFlash2: α, the weight of the selector's "
+                   "k-way cross-entropy beside the drafts' weighted cross-entropy")
     s.add_argument("--num-features", type=int, help="captured target layers n (default min(5, T-3))")
     s.add_argument("--mask-token-id", type=int, help="m (default: a spare embedding row or unused added token)")
     s.add_argument("--epochs", type=int, default=1, help="passes over the training answers (a run stops at "

@@ -7,12 +7,13 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 import checkpoint
-import distill
 import dflash
+import distill
+import loss
 import packed
 import train
+from conftest import MASK, VOCAB, H, context_of, fresh_drafter, write_drafter
 from dflash import DFlashError
-from conftest import H, MASK, VOCAB, context_of, fresh_drafter, write_drafter
 
 
 def test_blocks_use_same_position_labels():
@@ -169,6 +170,7 @@ def test_compiled_drafter_reads_the_rope_tables_it_is_given(llama_data):
     step). The same search finds them in a compiled rope_table. The compiled rows and gradients equal
     the eager drafter's in float64."""
     import copy
+
     from torch._inductor.utils import run_and_get_code
     computes_trig = re.compile(r"(std::|\.)(cos|sin)\(")   # scalar and vectorized C++
     target = llama_data[1]
@@ -194,7 +196,7 @@ def test_compiled_drafter_reads_the_rope_tables_it_is_given(llama_data):
     assert all(t is not None for t in runs["compiled"])
     for got, want in zip(runs["compiled"], runs["eager"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    table = torch.compile(lambda p: dflash.rope_table(p, 10000.0, 16, torch.float32), **train.COMPILE)
+    table = torch.compile(lambda p: dflash.rope_table(p, 10000.0, 16, torch.float32), **loss.COMPILE)
     _, code = run_and_get_code(table, torch.arange(10))
     assert any(computes_trig.search(c) for c in code)
 

@@ -2,31 +2,29 @@
 import json
 import math
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import checkpoint
-import distill
 import dflash
+import distill
+import loss
 import packed
 import train
-import triton_ops
+from conftest import (
+    MASK,
+    T_LAYERS,
+    H,
+    assert_same_tokens,
+    forward_with_capture,
+    fresh_drafter,
+    hf_greedy,
+    run_train_cli,
+    target_config,
+)
 from dflash import DFlashError
-from conftest import (H, MASK, T_LAYERS, assert_same_tokens, forward_with_capture, fresh_drafter, head_chunk_cases, hf_greedy, run_train_cli, target_config)
-
-
-def test_loss_weights_follow_gamma_rule():
-    """w_k = exp(-(k-1)/γ) for k ≥ 1 and 0 on the bonus row; γ = 7, 5, 4 for B = 16, 10, 8."""
-    assert [train.default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
-    w = train.position_weights(16, 7.0)
-    assert w.dtype == torch.float32 and w[0] == 0 and w[1] == 1
-    torch.testing.assert_close(w[2:], torch.exp(-torch.arange(1, 15) / 7.0))
-    exact = train.position_weights(16, 7.0, dtype=torch.float64)   # for a float64 drafter: float64's rounding
-    assert torch.equal(exact[1:], torch.exp(-torch.arange(0, 15, dtype=torch.float64) / 7.0))
 
 
 def test_batched_capture_equals_one_sequence_at_a_time(llama_data):
@@ -77,110 +75,6 @@ def test_time_budget_refits_the_schedule():
     assert plan["total"] == 25 + 525                                      # 0.2 s per step once the capture is left out
 
 
-def test_frozen_head_cross_entropy_equals_full_logits():
-    """The chunked loss through the frozen head equals the weighted cross-entropy of the whole
-    logits matrix, value and gradient, with chunks that do not divide the rows: in float64 exactly,
-    and with training's float32 rows through a bfloat16 head within bfloat16's rounding."""
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(50, 8, dtype=torch.float64, generator=g, requires_grad=True)
-    head = torch.randn(30, 8, dtype=torch.float64, generator=g)
-    labels, w = torch.randint(0, 30, (50,), generator=g), torch.rand(50, dtype=torch.float64, generator=g)
-    loss = train.FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7)
-    (grad,) = torch.autograd.grad(2 * loss, hidden)
-    full = hidden.detach().requires_grad_(True)
-    want = (w * F.cross_entropy(full @ head.T, labels, reduction="none")).sum()
-    (want_grad,) = torch.autograd.grad(2 * want, full)
-    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
-    # training's dtypes: float32 rows through a bfloat16 head; the loss in float32, the gradient in the
-    # rows' dtype, against float64 from the same rounded rows and head: the logits' and the gradient's
-    # bfloat16 rounding (2⁻⁸) is what is left
-    rows, head16 = hidden.detach().float().requires_grad_(True), head.bfloat16()
-    loss16 = train.FrozenHeadCrossEntropy.apply(rows, head16, labels, w.float(), 7)
-    (grad16,) = torch.autograd.grad(2 * loss16, rows)
-    full = rows.detach().bfloat16().double().requires_grad_(True)
-    want = (w * F.cross_entropy(full @ head16.double().T, labels, reduction="none")).sum()
-    (want_grad,) = torch.autograd.grad(2 * want, full)
-    assert loss16.dtype == grad16.dtype == torch.float32
-    torch.testing.assert_close(loss16.double(), want, rtol=1e-3, atol=0)
-    torch.testing.assert_close(grad16.double(), want_grad, rtol=1e-2, atol=1e-2)
-
-
-def test_block_loss_goes_through_the_heads_bias(llama_data):
-    """A target whose LM head has a bias: the training loss is the weighted cross-entropy of the logits the
-    head module makes (lm_logits, as inference drafts with it), bias included, normalised by the weight sum."""
-    import copy
-    target = copy.deepcopy(llama_data[1]).double()
-    head = target.get_output_embeddings()
-    head.bias = torch.nn.Parameter(torch.randn(head.weight.shape[0], dtype=torch.float64,
-                                               generator=torch.Generator().manual_seed(1)), requires_grad=False)
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(3, 4, head.weight.shape[1], dtype=torch.float64, generator=g)   # (M, B, H)
-    labels = torch.randint(0, head.weight.shape[0], (3, 4), generator=g)                 # (M, B)
-    labels[:, 0], labels[2, 3] = packed.IGNORE, packed.IGNORE
-    weights = train.position_weights(4, 7.0).double()                                    # (B,)
-    loss = train.block_loss(target, hidden, labels, weights)
-    w = weights.expand(3, 4)[labels != packed.IGNORE]                                     # (R,)
-    ce = F.cross_entropy(train.lm_logits(target, hidden[labels != packed.IGNORE]), labels[labels != packed.IGNORE],
-                         reduction="none")                                               # (R,)
-    torch.testing.assert_close(loss, (w * ce).sum() / w.sum(), rtol=1e-12, atol=1e-12)
-
-
-def test_frozen_head_distillation_equals_full_logits_kl():
-    """With teacher states, the chunked loss through the frozen head is logit distillation: it equals
-    the weighted KL(teacher ‖ drafter) of the whole logits matrices, value and gradient (float64), it is
-    zero where the drafter's states are the teacher's, and compiled (train --compile) its chunk gives
-    the eager loss and gradient within float32 rounding on CPU."""
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(50, 8, dtype=torch.float64, generator=g, requires_grad=True)
-    teacher = torch.randn(50, 8, dtype=torch.float64, generator=g)
-    head = torch.randn(30, 8, dtype=torch.float64, generator=g)
-    labels, w = torch.randint(0, 30, (50,), generator=g), torch.rand(50, dtype=torch.float64, generator=g)
-    loss = train.FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7, train.soft_chunk_grad, teacher)
-    (grad,) = torch.autograd.grad(2 * loss, hidden)
-    full = hidden.detach().requires_grad_(True)
-    kl = F.kl_div((full @ head.T).log_softmax(-1), (teacher @ head.T).log_softmax(-1), log_target=True,
-                  reduction="none").sum(-1)                                             # (50,)
-    (want_grad,) = torch.autograd.grad(2 * (w * kl).sum(), full)
-    torch.testing.assert_close(loss, (w * kl).sum(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
-    same = train.FrozenHeadCrossEntropy.apply(teacher, head, labels, w, 7, train.soft_chunk_grad, teacher)
-    assert abs(same.item()) < 1e-12 and loss.item() > 0.1
-    torch._dynamo.reset()
-    compiled = train.head_loss_chunk(True, soft=True)
-    logits, teacher_logits = (3 * torch.randn(37, 1000, generator=g) for _ in range(2))
-    w = torch.rand(37, generator=g)
-    eager_loss, eager_grad = train.soft_chunk_grad(logits, teacher_logits, w)
-    compiled_loss, compiled_grad = compiled(logits, teacher_logits, w)
-    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-7)
-
-
-def test_compiled_head_chunk_equals_eager_on_cpu():
-    """train --compile runs the head's loss chunk (head_chunk_grad) through inductor with dynamic rows:
-    on CPU in float32 it gives the eager loss and gradient to the logits within float32 rounding, for
-    two chunk lengths through one compile; both equal float64 autograd. Compiled a second time (after
-    dynamo's reset), it is compiled again, not read from inductor's caches (train.COMPILE: a process
-    that found the drafter's graphs there stepped 3-4x slower on the H200)."""
-    from torch._dynamo.utils import counters
-    for _ in range(2):
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = train.head_loss_chunk(True)
-        compiled(*head_chunk_cases("cpu", torch.float32, 37, 1000)[:3])
-        assert counters["inductor"]["fxgraph_cache_hit"] == counters["aot_autograd"]["autograd_cache_hit"] == 0
-        assert counters["aot_autograd"]["autograd_cache_bypass"] == 1   # compiled, around the caches
-    for rows in (37, 20):
-        logits, labels, w, want, want_grad = head_chunk_cases("cpu", torch.float32, rows, 1000)
-        eager_loss, eager_grad = triton_ops.head_chunk_grad(logits, labels, w)
-        loss, grad = compiled(logits, labels, w)
-        assert grad.dtype == torch.float32 and grad.shape == (rows, 1000)
-        torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-6)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_step_loss_waits_for_its_own_step_only():
@@ -194,32 +88,6 @@ def test_step_loss_waits_for_its_own_step_only():
     assert not torch.cuda.current_stream().query()                                 # the sleep still runs
     assert loss.item() == 6.0
     assert torch.cuda.current_stream().query()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("soft", [False, True], ids=["argmax", "distillation"])
-def test_compiled_head_chunk_on_cuda(soft):
-    """The head loss chunk train --compile runs on CUDA (cross-entropy: the Triton kernel; logit
-    distillation: compiled) at SmolLM2's vocabulary, bf16 logits as training runs them (a full chunk
-    and a short last one): its error against float64 autograd stays within twice the eager plain-torch
-    chunk's own error plus 1e-6 of the largest exact value, for the loss and the bf16 gradient to the
-    logits."""
-    torch._dynamo.reset()
-    compiled, eager = train.head_loss_chunk(True, soft), (train.soft_chunk_grad if soft else triton_ops.head_chunk_grad)
-    kernel_rows, kernel = [], train.triton_head_chunk_grad
-    recorded = lambda logits, *rest: kernel_rows.append(len(logits)) or kernel(logits, *rest)
-    for rows in (train.CE_CHUNK, 1000):
-        logits, labels, w, want, want_grad = head_chunk_cases("cuda", torch.bfloat16, rows, 49152, soft)
-        eager_loss, eager_grad = eager(logits, labels, w)
-        with mock.patch.object(train, "triton_head_chunk_grad", recorded):
-            loss, grad = compiled(logits, labels, w)
-        assert grad.dtype == torch.bfloat16
-        for got, ref in [(loss, eager_loss), (grad, eager_grad)]:
-            exact = want if got.dim() == 0 else want_grad
-            err, ref_err = ((t.double() - exact).abs().max().item() for t in (got, ref))
-            assert err <= 2 * ref_err + 1e-6 * max(1.0, exact.abs().max().item()), (rows, err, ref_err)
-    assert kernel_rows == ([] if soft else [train.CE_CHUNK, 1000])   # cross-entropy through the kernel
 
 
 def test_cached_features_train_exactly_like_a_target_pass_per_step(llama_data):
@@ -442,13 +310,13 @@ def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(llama_data, tmp_
     raw, drafter = fresh_drafter(target)
     frozen = {k: v.clone() for k, v in target.state_dict().items()}
     fixed = packed.make_blocks(sequences, 8, 4, MASK)
-    weights = train.position_weights(4, 2.0)
+    weights = loss.position_weights(4, 2.0)
 
     def fixed_loss():
         with torch.no_grad():
             features, _, _ = train.capture_features(target, fixed.ids, fixed.lengths, drafter.config.target_layer_ids,
                                                     torch.float32, with_labels=False)
-            return train.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
+            return loss.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
                                     weights).item()
 
     before = fixed_loss()
@@ -644,6 +512,54 @@ def test_grown_drafter_starts_where_its_checkpoint_stands(llama_data, tmp_path):
     fewer = run_train_cli(*common, "--out", str(tmp_path / "d0"), "--layers", "0", "--max-steps", "1")
     assert fewer.returncode != 0 and "--layers = 0: the --init drafter has 1 layers, and layers are only added" \
         in fewer.stderr and "Traceback" not in fewer.stderr
+
+
+def test_dflash2_made_from_a_dflash_drafter_drafts_as_it_did_then_trains(llama_data, tmp_path):
+    """`train --init d --dflash2` makes a trained DFlash drafter DFlash2: its convolutions start as the identity
+    and its selector's pair term at zero, so it drafts round for round what d drafts (the same held-out τ
+    before training). It then trains both parts; its held-out estimate replays generate's rounds through the
+    selector's walk; it is saved in the released DFlash2 format and decodes losslessly. DFlash2 sizes without
+    --dflash2, or against a DFlash2 checkpoint's own, end in one line."""
+    path, target, sequences = llama_data
+    raw, drafter = fresh_drafter(target)
+    train.train(target, drafter, sequences[:20], [], train.TrainConfig(epochs=2, batch_size=4, anchors=8, lr=3e-3),
+                progress=False)
+    sizes = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5}
+    made, made_raw = train.as_dflash2(target, drafter, raw, sizes)
+    assert made_raw["architectures"] == ["DFlash2DraftModel"] and raw["architectures"] == ["DFlashDraftModel"]
+    for seq in sequences[20:24]:
+        prompt = seq.ids[:seq.prompt_len].tolist()
+        assert dflash.generate(target, made, prompt, 12).rounds == dflash.generate(target, drafter, prompt, 12).rounds
+    checkpoint.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
+    distill.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
+    common = ["train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--heldout", "4", "--device", "cpu",
+              "--save-dtype", "float32"]
+    flags = ["--dflash2", "--selector-rank", "6", "--selector-top-k", "5", "--conv-group-size", "8"]
+    result = run_train_cli(*common, "--init", str(tmp_path / "d"), "--out", str(tmp_path / "d2"), *flags,
+                           "--epochs", "2", "--max-steps", "6", "--lr", "1e-2")
+    assert result.returncode == 0, result.stderr
+    assert "made DFlash2 (conv_kernel_size 2, conv_group_size 8, selector_rank 6, selector_top_k 5)" in result.stderr
+    same = run_train_cli(*common, "--init", str(tmp_path / "d"), "--out", str(tmp_path / "d1"), "--max-steps", "1")
+    assert same.returncode == 0, same.stderr
+    log = json.loads((tmp_path / "d2" / "training.json").read_text())
+    assert log["at_init"]["heldout_tau"] == json.loads((tmp_path / "d1" / "training.json").read_text())["at_init"][
+        "heldout_tau"]
+    assert len(log["history"]) == 6 and all(h["blocks_per_s"] > 0 and h["tflops"] > 0 for h in log["history"])
+    config = json.loads((tmp_path / "d2" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"].items() >= sizes.items()
+    tensors = load_file(tmp_path / "d2" / "model.safetensors")
+    assert tensors["candidate_selector.successor_codebook"].abs().max() > 0                 # the selector trained
+    assert tensors["layers.0.attention_conv.kernel_projection.weight"].abs().max() > 0      # and the convolutions
+    trained = checkpoint.load_drafter(str(tmp_path / "d2"), target, torch.float32, "cpu")
+    assert trained.candidate_selector is not None
+    replay_matches_generate(target, trained, sequences[20:24])   # generate equals the target's greedy text too
+    alone = run_train_cli(*common, "--init", str(tmp_path / "d"), "--out", str(tmp_path / "x"), "--selector-rank", "6",
+                          "--max-steps", "1")
+    assert alone.returncode != 0 and "--selector-rank sizes a DFlash2 drafter: add --dflash2" in alone.stderr
+    other = run_train_cli(*common, "--init", str(tmp_path / "d2"), "--out", str(tmp_path / "x"), "--selector-rank", "8",
+                          "--max-steps", "1")
+    assert other.returncode != 0 and "--selector-rank = 8 but the --init drafter's is 6" in other.stderr
+    assert "Traceback" not in alone.stderr + other.stderr
 
 
 def test_save_drafter_killed_midway_leaves_the_old_drafter_whole(llama_data, tmp_path, monkeypatch):

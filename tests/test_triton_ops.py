@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fastpath
+import loss
 import train
 import triton_ops
 from conftest import HERE, head_chunk_cases
@@ -270,7 +271,7 @@ def test_head_kernel_on_cuda():
     """The same on the GPU in fp32, fp16 and bf16, and at SmolLM2's vocabulary in bf16 with the
     kernel's own tiles (a full chunk of 8,192 rows and a short one)."""
     errors = head_kernel_errors("cuda", [torch.float32, torch.float16, torch.bfloat16])
-    errors |= head_kernel_errors("cuda", [torch.bfloat16], cases=((train.CE_CHUNK, 49152), (1000, 49152)),
+    errors |= head_kernel_errors("cuda", [torch.bfloat16], cases=((loss.CE_CHUNK, 49152), (1000, 49152)),
                                  block=triton_ops.HEAD_BLOCK)
     print(errors)
     check_head_kernel(errors)
