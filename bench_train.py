@@ -11,7 +11,7 @@ one run, after warm-up:
             not read whole, and each row reads its own K/V, its prompt plus half the new tokens
             on average.
   train     one optimizer step of the packed forward over every anchor of a batch of sequences, for
-            3 and 5 drafter layers: features cached (gathered from a flat device cache) or live (a
+            3 and 5 drafter layers, DFlash and DFlash2 (compiled, beside the compiled DFlash row): features cached (gathered from a flat device cache) or live (a
             target pass per step); the head's cross-entropy chunked through the frozen head
             (loss.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
             cross-entropy where it is installed; eager or compiled as
@@ -151,15 +151,20 @@ def full_logits_loss(target, hidden, labels, weights):
 
 
 def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps: int, runs: list[tuple]) -> list[dict]:
-    """One row per run (features, loss, pad_shapes, compiled), each on a fresh drafter."""
+    """One row per run (features, loss, pad_shapes, compiled, drafter), each on a fresh drafter: "dflash", or
+    "dflash2" as train --dflash2 makes it from one (rank 64, the rest the released defaults) with its selector's
+    loss, or "dflash2-convs", the same drafter trained on the drafts' cross-entropy alone (its convolutions'
+    cost without the selector's)."""
     raw = train.new_drafter_config(target, layers, 16, target.get_input_embeddings().weight.shape[0] - 1, 5)
     layer_ids = raw["dflash_config"]["target_layer_ids"]
     weights = loss.position_weights(16, 7.0, "cuda")
     cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
     live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
     rows = []
-    for run, (store_name, loss_name, pad, compiled) in enumerate(runs):
+    for run, (store_name, loss_name, pad, compiled, kind) in enumerate(runs):
         drafter = train.new_drafter(target, raw)
+        if kind != "dflash":
+            drafter, _ = train.as_dflash2(target, drafter, raw, checkpoint.DFLASH2_DEFAULTS | {"selector_rank": 64})
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)   # as train.train
         t_compile = time.perf_counter()
         if compiled:
@@ -181,9 +186,10 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             features, labels, _ = packed.pad_positions(*store.batch(indices), pad[0])
             blocks = packed.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
                                        g, labels=labels, pad_to=pad[1])
+            selector = {"selector": drafter.candidate_selector, "block_ids": blocks.block_ids} if kind == "dflash2" else {}
             with train.autocast(features.device):
                 step_loss = loss_fn(target, train.draft_hidden(target, drafter, blocks, features), blocks.labels,
-                                    weights)
+                                    weights, **selector)
             optimizer.zero_grad(set_to_none=True)
             step_loss.backward()
             optimizer.step()
@@ -191,9 +197,9 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             if i >= 3:
                 times.append(time.perf_counter() - t0)
                 blocks_seen.append(blocks.drawn())   # real blocks only
-                flops.append(train.step_flops(drafter, target, blocks, features.shape[1]))
+                flops.append(train.step_flops(drafter, target, blocks, features.shape[1], selector=kind == "dflash2"))
         seconds = statistics.median(times)
-        rows.append({"layers": layers, "features": store_name, "loss": loss_name, "pad_shapes": list(pad), "batch": batch,
+        rows.append({"layers": layers, "drafter": kind, "features": store_name, "loss": loss_name, "pad_shapes": list(pad), "batch": batch,
                      "compiled": compiled, "warmup_s": warmup_s,
                      "blocks_per_step": statistics.median(blocks_seen), "step_ms": seconds * 1e3,
                      "blocks_per_s": statistics.median(blocks_seen) / seconds,
@@ -211,6 +217,8 @@ def main(argv=None):
     p.add_argument("--hf-max-new", type=int, default=128, help="new tokens per row in the side-by-side with HF")
     p.add_argument("--train-batch", type=int, default=8, help="sequences per training step (every anchor)")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--dflash2-only", action="store_true", help="train: only the compiled DFlash row beside the "
+                   "DFlash2 rows (its whole loss, and its convolutions alone)")
     p.add_argument("--skip", default="", help="comma-separated: distill, hf (its HF generate row), train")
     p.add_argument("--out", help="write the results as JSON here (after each section)")
     args = p.parse_args(argv)
@@ -223,7 +231,7 @@ def main(argv=None):
     if args.target:
         target = checkpoint.load_target(args.target, torch.bfloat16, "cuda")
     else:
-        target, _ = bench.build_pair(SHAPE)
+        target = bench.build_pair(SHAPE)[0]
     bandwidth, flops = bench.copy_bandwidth(), matmul_rate()
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
@@ -257,20 +265,21 @@ def main(argv=None):
             losses["liger-fused"] = liger_loss
         except ImportError:
             print("liger-kernel is not installed: its row is skipped")
-        runs3 = ([("cached", "chunked", (1, 1), False), ("cached", "chunked", (1, 1), True),
-                  ("cached", "chunked", PADDED, True)]
-                 + [("cached", name, (1, 1), False) for name in losses if name != "chunked"]
-                 + [("live", "chunked", (1, 1), False)])
-        runs5 = [("cached", "chunked", (1, 1), False)]
+        dflash2 = [("cached", "chunked", (1, 1), True, kind) for kind in ("dflash", "dflash2", "dflash2-convs")]
+        runs3 = dflash2 if args.dflash2_only else (
+            [("cached", "chunked", (1, 1), False, "dflash")] + dflash2 + [("cached", "chunked", PADDED, True, "dflash")]
+            + [("cached", name, (1, 1), False, "dflash") for name in losses if name != "chunked"]
+            + [("live", "chunked", (1, 1), False, "dflash")])
+        runs5 = [] if args.dflash2_only else [("cached", "chunked", (1, 1), False, "dflash")]
         result["train"] = (bench_train(target, 3, sequences, args.train_batch, losses, args.steps, runs3)
                            + bench_train(target, 5, sequences, args.train_batch, losses, args.steps, runs5))
         print(f"\ntrain step, {args.train_batch} sequences of 300-612 tokens (prompt 100), every anchor, block 16, "
               f"bf16 autocast, fp32 master weights; matmul peak {flops / 1e12:.0f} TFLOP/s")
-        print(f"{'layers':>6} {'features':>8} {'loss':>12} {'pad':>7} {'compiled':>8} {'blocks':>7} "
+        print(f"{'layers':>6} {'drafter':>13} {'features':>8} {'loss':>12} {'pad':>7} {'compiled':>8} {'blocks':>7} "
               f"{'ms':>8} {'blocks/s':>9} {'TFLOP/s':>8} {'peak GiB':>8} {'warm-up s':>9}")
         for r in result["train"]:
             pad = "x".join(map(str, r["pad_shapes"]))
-            print(f"{r['layers']:6} {r['features']:>8} {r['loss']:>12} {pad:>7} {str(r['compiled']):>8} "
+            print(f"{r['layers']:6} {r['drafter']:>13} {r['features']:>8} {r['loss']:>12} {pad:>7} {str(r['compiled']):>8} "
                   f"{r['blocks_per_step']:7.0f} {r['step_ms']:8.1f} {r['blocks_per_s']:9.0f} {r['tflops']:8.1f} "
                   f"{r['peak_gib']:8.1f} {r['warmup_s']:9.1f}")
         save()

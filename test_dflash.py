@@ -696,7 +696,7 @@ def test_drafts_per_round_equal_zlabs_reference(targets, tmp_path, fmt):
     assert gen.acceptance_lengths[:full] == result.acceptance_lengths[:full]
 
 
-FLOORS = ["files", "tiny", "dflash", "checkpoint", "packages", "cli", "triton_ops", "fastpath", "distill", "packed",
+FLOORS = ["files", "tiny", "dflash", "checkpoint", "packages", "cli", "triton_ops", "fastpath", "distill", "packed", "loss",
           "train", "evaluation", "bench", "bench_train", "conformance"]   # each imports only files to its left
 
 

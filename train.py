@@ -296,24 +296,23 @@ def compile_drafter(drafter: Drafter):
         layer.context_kv = torch.compile(layer.context_kv, **COMPILE)
 
 
-def step_flops(drafter: Drafter, target, blocks: Blocks, N: int, soft: bool = False) -> float:
+def step_flops(drafter: Drafter, target, blocks: Blocks, N: int, soft: bool = False, selector: bool = True) -> float:
     """Matmul FLOPs of one training step (padded context included), forward and backward:
     context projection and K/V over Bt·N positions, the layers over M·B rows attending to N+B keys
     (its sequence's other block rows, masked, and the packed forward's empty slots are not counted),
     and the frozen head over the labelled rows (its forward and the gradient to the rows; with `soft`,
     the teacher's logits too). DFlash2 adds its convolutions' tap projections over the block rows, and
-    over the labelled rows the selector's projection, its candidates' logits and their low-rank terms."""
+    over the labelled rows the selector's projection, its candidates' logits and their low-rank terms (unless
+    `selector` is False: a step without the selector's loss)."""
     cfg, tcfg = drafter.config, target.config.get_text_config()
     H, h, hk, d, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     context = len(blocks.lengths) * N * (drafter.fc.weight.numel() + L * 2 * hk * d * H)
     rows = blocks.block_ids.numel()
     layer = (h + 2 * hk) * d * H + h * d * H + 3 * H * cfg.intermediate_size + 2 * h * d * (N + cfg.block_size)
     head_rows = int((blocks.labels != IGNORE).sum())
-    selector = 0
-    if cfg.selector_rank:
-        layer += 2 * (2 * cfg.conv_kernel_size * H // cfg.conv_group_size) * H
-        selector = head_rows * (cfg.selector_rank * H + cfg.selector_top_k * (H + cfg.selector_rank))
-    return 3 * 2 * (context + rows * L * layer + selector) + (3 if soft else 2) * 2 * head_rows * H * tcfg.vocab_size
+    layer += 2 * (2 * cfg.conv_kernel_size * H // cfg.conv_group_size) * H   # 0 without convolutions
+    walk = head_rows * (cfg.selector_rank * H + cfg.selector_top_k * (H + cfg.selector_rank)) if selector else 0
+    return 3 * 2 * (context + rows * L * layer + walk) + (3 if soft else 2) * 2 * head_rows * H * tcfg.vocab_size
 
 
 @torch.no_grad()

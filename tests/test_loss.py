@@ -244,3 +244,4 @@ def test_frozen_head_cross_entropy_returns_each_rows_top_k():
     assert torch.equal(candidates, (hidden @ head.T).topk(4, dim=-1).indices)
     _, none = FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7)
     assert none.shape == (19, 0)
+
