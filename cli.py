@@ -7,7 +7,7 @@
   - `main`, the demo: the default pair, or any target and drafter, one prompt, streamed;
   - `run`, every script's entry: bad input ends in one `error:` line and exit code 2, Ctrl-C in exit 130.
 
-    $ python dflash.py --draft drafter/SmolLM2-135M-Instruct-DFlash-b16 --max-new-tokens 64 --json
+    $ python dflash.py --draft drafter/SmolLM2-135M-Instruct-DFlash2-b16 --max-new-tokens 64 --json
 """
 import argparse
 import json
@@ -57,8 +57,8 @@ def add_sampling_flags(p, seed_help: str, seed_default: int | None = None):
                    "losslessly")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 keeps all")
-    p.add_argument("--drafts", choices=["argmax", "sampled"], default="argmax", help="with --temperature > 0, what "
-                   "a DFlash drafter proposes: its argmax, or a draw from its own processed distribution (a "
+    p.add_argument("--drafts", choices=["sampled", "argmax"], default="sampled", help="with --temperature > 0, what "
+                   "a DFlash drafter proposes: a draw from its own processed distribution, or its argmax (a "
                    "DFlash2 drafter always draws from its selector's)")
     p.add_argument("--seed", type=int, default=seed_default, help=seed_help)
 

@@ -317,7 +317,9 @@ def whole_run_values(gen) -> dict:
 
 
 def generate_kwargs(request: dict) -> dict:
-    sampling = dflash.Sampling(request["temperature"], request["top_p"], request["top_k"])
+    # a case made before drafts could be drawn proposes the argmax, as its request does not say
+    sampling = dflash.Sampling(request["temperature"], request["top_p"], request["top_k"],
+                               request.get("drafts", "argmax"))
     return dict(num_drafts=request["num_drafts"], full_block=request["full_block"], sampling=sampling,
                 seed=request["seed"])
 

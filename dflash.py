@@ -425,7 +425,7 @@ class Sampling:
     temperature: float = 0.0   # 0: greedy, an exact argmax
     top_p: float = 1.0         # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0             # keep the k most likely tokens; 0 keeps all
-    drafts: str = "argmax"     # a DFlash drafter's proposals at T > 0: "argmax", or "sampled" from its own p
+    drafts: str = "sampled"    # a DFlash drafter's proposals at T > 0: drawn from its own p, or its "argmax"
 
     def __post_init__(self):
         require(self.temperature >= 0, f"--temperature = {self.temperature} must be ≥ 0")

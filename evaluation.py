@@ -3,7 +3,7 @@
 MT-Bench and HumanEval (packages.py reads them from their PyPI packages). Both runs of each prompt go through the same implementation: dflash.py's
 generate, or two held fastpath Decoders (the target alone, and DFlash).
 
-    $ python evaluation.py --target DIR --draft drafter/SmolLM2-135M-Instruct-DFlash-b16 --impl fastpath --out eval
+    $ python evaluation.py --target DIR --draft drafter/SmolLM2-135M-Instruct-DFlash2-b16 --impl fastpath --out eval
 """
 
 from __future__ import annotations

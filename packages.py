@@ -35,7 +35,7 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 DONE_MARKER = "converted.json"   # the sha256 of every converted file, written last
 CONVERTED = {DONE_MARKER, "config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
              "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"}   # what a conversion writes
-DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafter" / "SmolLM2-135M-Instruct-DFlash-b16"
+DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafter" / "SmolLM2-135M-Instruct-DFlash2-b16"
 
 
 def default_pair() -> tuple[Path, Path]:
