@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 import fastpath
 import loss
-import train
 import triton_ops
 from conftest import HERE, head_chunk_cases
 
@@ -236,7 +235,7 @@ def head_kernel_errors(device, dtypes, cases=((37, 1000), (5, 4096)), block=256)
     for rows, vocab in cases:
         for dtype in dtypes:
             logits, labels, w, want, want_grad = head_chunk_cases(device, dtype, rows, vocab)
-            runs = {"kernel": train.triton_head_chunk_grad(logits, labels, w, block=block),
+            runs = {"kernel": triton_ops.triton_head_chunk_grad(logits, labels, w, block=block),
                     "twin": triton_ops.head_chunk_grad(logits, labels, w)}
             errors[f"{rows}x{vocab} {dtype}"] = {
                 **{name: [abs(loss.item() - want.item()), (grad.double() - want_grad).abs().max().item()]
