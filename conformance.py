@@ -26,7 +26,7 @@ if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends
 
 import json
 import sys
-from contextlib import ExitStack, closing
+from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
 

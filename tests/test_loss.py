@@ -1,5 +1,6 @@
 """loss.py: the loss through the frozen head (cross-entropy and logit distillation, chunked, its kernels),
 and DFlash2's selector loss and walk."""
+import copy
 from unittest import mock
 
 import pytest
@@ -10,7 +11,7 @@ import loss as loss_module
 import packed
 import train
 import triton_ops
-from conftest import head_chunk_cases
+from conftest import fresh_drafter, head_chunk_cases
 from loss import (
     CE_CHUNK,
     FrozenHeadCrossEntropy,
@@ -64,7 +65,6 @@ def test_frozen_head_cross_entropy_equals_full_logits():
 def test_block_loss_goes_through_the_heads_bias(llama_data):
     """A target whose LM head has a bias: the training loss is the weighted cross-entropy of the logits the
     head module makes (lm_logits, as inference drafts with it), bias included, normalised by the weight sum."""
-    import copy
     target = copy.deepcopy(llama_data[1]).double()
     head = target.get_output_embeddings()
     head.bias = torch.nn.Parameter(torch.randn(head.weight.shape[0], dtype=torch.float64,
@@ -165,8 +165,6 @@ def test_compiled_head_chunk_on_cuda(soft):
 def dflash2_pair(llama_data, seed=0):
     """The tiny Llama target in float64 and a DFlash2 drafter for it, made from a fresh DFlash one by
     train.as_dflash2, with every selector weight drawn so that the pair term is not zero."""
-    import copy
-    from conftest import fresh_drafter
     target = copy.deepcopy(llama_data[1]).double()
     raw, drafter = fresh_drafter(target, seed=seed)
     sizes = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5}
