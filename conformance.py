@@ -5,7 +5,7 @@ the values dflash.py computes at every stage of its first rounds:
 
     target/, drafter/         config.json + model.safetensors (a vocabulary of 8, so drafts are often right)
     case.json                 the request, the stage list with each stage's tolerance and usual pitfall
-    expected.safetensors      '<stage>.<round>' tensors, and 'tokens'
+    expected.safetensors      '<stage>.<round>' tensors, and the whole run's 'round_drafts' and 'tokens'
 
 A port runs the request on the pair, writes what it computed under the same names (any subset) into one
 safetensors file, and the checker reports, stage by stage, the first position and value that differ and
@@ -14,6 +14,10 @@ which pitfall that stage usually means:
     $ python conformance.py write                                  # the kit, from dflash.py
     $ python conformance.py dump-fastpath --case laguna --out d.safetensors   # this project's twin
     $ python conformance.py check d.safetensors --case laguna
+    $ python conformance.py dump-fastpath --graphs --case high-acceptance --out g.safetensors   # on CUDA
+
+Where a stage differs, the checker replays dflash.py with each mistake ports are known to make at that stage
+and names those that reproduce the dump's value.
 
 Rounds: round 0 is the prefill (the prompt's features and context); round r ≥ 1 drafts a block, verifies
 it and appends the accepted rows and the bonus's predecessor to the context. Shapes: P prompt, k drafts
@@ -25,8 +29,9 @@ if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 
 import json
+import math
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from pathlib import Path
 from unittest import mock
 
@@ -73,10 +78,17 @@ STAGES = {
                  "(Laguna), a missing k_norm, or RoPE at the wrong context positions"),
     "ctx_values": ("(hk, S, d)", 1e-4, "layer 0's context values: no input norm on the context (Laguna)"),
 }
-TOKENS_PITFALL = "the commit: the bonus token, stop handling, or trimming at max_new_tokens"
+TOKENS_PITFALL = ("the commit: the bonus token, stop handling (the tokens end at the first stop written, an "
+                  "accepted draft included), or trimming at max_new_tokens")
+ROUND_DRAFTS_PITFALL = ("the drafts of a round past the recorded ones (round_drafts (rounds, K), −1 past a round's "
+                        "k): under CUDA graphs or a compiled step, a buffer read before it is written, a position "
+                        "or length captured as a constant, or a lowering that drafts otherwise than eager; or a "
+                        "drafter bug that only later rounds reach")
 ACCEPTANCE_PITFALL = ("verification in the rounds past the recorded ones: the comparison with the target's "
                       "choice, the rejection rule, or the number of drafts near max_new_tokens")
-WHOLE_RUN = ("acceptance_lengths", "tokens")   # values of the whole generation, checked after the rounds' stages
+# values of the whole generation, checked after the rounds' stages; the last two cannot see a drafter bug
+WHOLE_RUN = ("round_drafts", "acceptance_lengths", "tokens")
+DRAFTER_BLIND = ("acceptance_lengths", "tokens")
 
 CASES = {
     "zlab-qwen3": dict(
@@ -117,6 +129,23 @@ CASES = {
               "selector's walk from the bonus, every layer sliding (window 6) and bidirectional (top-level "
               "is_causal false); a Qwen3 target", target="qwen3", fmt="dflash2", block_size=8, layers=2, window=6,
         layer_ids=[1, 3, 4], prompt_len=10, max_new_tokens=24),
+    "high-acceptance": dict(
+        about="a designed pair: a target that counts through a cycle of 7 tokens and a z-lab drafter whose "
+              "attention copies the context row 8 positions back, so that after the first round every draft is "
+              "accepted: 8 rows enter the context each round, and a bug shows in late rounds too",
+        target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=10,
+        max_new_tokens=64, designed="copying"),
+    "stop-in-block": dict(
+        about="the high-acceptance pair with a stop token that comes as an accepted draft in the middle of a "
+              "block: the tokens end at it, while that round's acceptance length counts the drafts past it",
+        target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=10,
+        max_new_tokens=64, designed="copying", stop_ids=[6]),
+    "dflash2-high-acceptance": dict(
+        about="a designed DFlash2 pair: the counting target and a drafter whose candidate selector knows the "
+              "count (its pair term favours each token's successor) while its draft logits are near ties, so "
+              "that the walk from the bonus, among 7 candidates a row, drafts whole blocks that are accepted",
+        target="qwen3", fmt="dflash2", block_size=8, layers=2, window=6, layer_ids=[1, 3, 4], prompt_len=10,
+        max_new_tokens=48, designed="walking", selector_top_k=7),
 }
 
 
@@ -124,21 +153,110 @@ CASES = {
 # The checkpoint pair of a case, from seeded draws (byte-identical wherever torch's CPU generator is)
 
 def write_pair(directory: Path, case: dict, seed: int):
-    """The case's target and drafter, as tiny.py writes them: a vocabulary of 8, 128 positions."""
+    """The case's target and drafter, as tiny.py writes them: a vocabulary of 8, 128 positions; a designed
+    case's then set to count (below)."""
     tiny.write_target(directory / "target", case["target"], seed, VOCAB, MAX_POS, case.get("head_scale", 4.0))
     raw = tiny.drafter_config(case["fmt"], case["block_size"], case["layer_ids"], VOCAB, case["layers"],
                               case.get("window", 4), causal=case.get("causal"), rope_by_type=case.get("rope_by_type"))
+    if "selector_top_k" in case:
+        raw["dflash_config"]["selector_top_k"] = case["selector_top_k"]
     tiny.write_drafter(directory / "drafter", raw, seed + 1, case.get("num_features") or len(case["layer_ids"]))
+    if case.get("designed"):
+        edit_tensors(directory / "target" / "model.safetensors", counting_target)
+        edit_tensors(directory / "drafter" / "model.safetensors",
+                     {"copying": copying_drafter, "walking": walking_drafter}[case["designed"]])
+
+
+# A designed pair, made from the seeded one: the target counts through CYCLE (its text is periodic, 7 tokens),
+# the drafter knows how. Every token x embeds as e0 + e_{1+x} (e_i a unit vector of the hidden space); the
+# seeded weights stay in, scaled down, so that every layer and every capture still differs.
+CYCLE = [0, 3, 1, 5, 2, 6, 4]                                        # the mask token, 7, is never written
+SUCCESSOR = {x: CYCLE[(i + 1) % len(CYCLE)] for i, x in enumerate(CYCLE)}
+
+
+def edit_tensors(path: Path, edit):
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def unit(i: int, size: int = tiny.H) -> torch.Tensor:
+    return torch.eye(size)[i]
+
+
+def counting_target(t: dict):
+    """Embeddings e0 + e_{1+x}; an LM head whose row y reads e_{1+x} for x's successor y; layers that add
+    only a little (their output projections times 0.02): the greedy text walks CYCLE."""
+    t["model.embed_tokens.weight"] = torch.stack([unit(0) + unit(1 + x) for x in range(VOCAB)]) \
+        + 0.05 * t["model.embed_tokens.weight"]
+    head = torch.zeros(VOCAB, tiny.H)
+    for x, y in SUCCESSOR.items():
+        head[y] += unit(1 + x)
+    t["lm_head.weight"] = 3.0 * head + 0.02 * t["lm_head.weight"]
+    for name in t:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t[name] *= 0.02
+
+
+def copying_drafter(t: dict, offset: int = 8, sharpness: float = 14.0):
+    """A z-lab drafter whose layer 0 attends from each block row to the context row `offset` positions
+    back (its query is its key rotated by RoPE's angles for -offset, sharpened by q/k norms of `sharpness`)
+    and copies that row's token into the row: with text of period 7, the token 8 back is the one before the
+    row's own, so the target's LM head reads the row's own token. The rest adds only a little."""
+    n, d = t["fc.weight"].shape[1] // tiny.H, t["layers.0.self_attn.q_norm.weight"].shape[0]
+    t["fc.weight"] = torch.cat([torch.eye(tiny.H)] * n, 1) / n + 0.02 * t["fc.weight"]   # the captures' mean
+    key, query = torch.zeros(d), torch.zeros(d)
+    for f in (0, 1):   # RoPE's two fastest frequencies (base 1e6, d 8): 1 and 0.0316 radians a position
+        angle = -offset * 1e6 ** (-2 * f / d)
+        key[f], query[f], query[f + d // 2] = 1.0, math.cos(angle), math.sin(angle)
+    p, heads, kv_heads = "layers.0.self_attn.", t["layers.0.self_attn.q_proj.weight"].shape[0] // d, \
+        t["layers.0.self_attn.k_proj.weight"].shape[0] // d
+    t[p + "q_proj.weight"] = torch.outer(query.repeat(heads), unit(0)) + 0.01 * t[p + "q_proj.weight"]   # from e0
+    t[p + "k_proj.weight"] = torch.outer(key.repeat(kv_heads), unit(0)) + 0.01 * t[p + "k_proj.weight"]
+    token_dims = torch.eye(tiny.H)[1:1 + d]                                            # (d, H): e_1 .. e_d
+    t[p + "v_proj.weight"] = token_dims.repeat(kv_heads, 1) + 0.01 * t[p + "v_proj.weight"]
+    t[p + "o_proj.weight"] = token_dims.T.repeat(1, heads) / heads + 0.01 * t[p + "o_proj.weight"]
+    t[p + "q_norm.weight"] = torch.full((d,), sharpness)
+    t[p + "k_norm.weight"] = torch.full((d,), sharpness)
+    for name in t:
+        if name.endswith("down_proj.weight") or name.startswith("layers.1.self_attn.o_proj"):
+            t[name] *= 0.05
+
+
+def walking_drafter(t: dict, strength: float = 5.0):
+    """A DFlash2 drafter whose layers add only a little (so its draft logits are near ties, and which
+    candidates a row has is close to chance), and whose selector's pair term is `strength` times its
+    hidden's e0 (about 4) when a candidate is the predecessor's successor: the walk counts on from the bonus
+    while the successor is among a row's candidates."""
+    for name in t:
+        if name.endswith(("o_proj.weight", "down_proj.weight", "kernel_projection.weight")):
+            t[name] *= 0.05
+    s, rank = "candidate_selector.", t["candidate_selector.predecessor_codebook"].shape[1]
+    t[s + "hidden_projection.weight"] = strength * unit(0).expand(rank, -1) + 0.01 * t[s + "hidden_projection.weight"]
+    t[s + "predecessor_codebook"] = torch.eye(VOCAB, rank) + 0.01 * t[s + "predecessor_codebook"]
+    successor = torch.zeros(VOCAB, rank)
+    for x, y in SUCCESSOR.items():
+        successor[y, x] = 1.0
+    t[s + "successor_codebook"] = successor + 0.01 * t[s + "successor_codebook"]
 
 
 # -----------------------------------------------------------------------------
 # Recording the stages of a generation
 
+class Recorded(Exception):
+    """A replay's value, recorded: the replay goes no further."""
+
+    def __init__(self, value):
+        super().__init__("recorded")
+        self.value = value
+
+
 class Recorder:
     """'<stage>.<round>' -> tensor, for rounds 0..ROUNDS; `calls` counts target passes (round = calls - 1)."""
 
-    def __init__(self):
-        self.values, self.calls, self.target_margin = {}, 0, float("inf")
+    def __init__(self, stop_at: str | None = None):
+        self.values, self.calls, self.stop_at = {}, 0, stop_at   # stop_at: a key, recorded, ends the run
+        self.target_margin = self.draft_margin = float("inf")   # the least gap any greedy choice won by
         self.last_hidden = None        # the drafter's block output, until its propose records the readout
         self.features = []             # fastpath: target passes since the last verify
         self.prefill_context = None    # fastpath: the prefill's context rows so far (it appends in chunks)
@@ -147,12 +265,17 @@ class Recorder:
     def put(self, stage: str, r: int, value):
         if r <= ROUNDS:
             self.values[f"{stage}.{r}"] = torch.as_tensor(value).detach().to("cpu").clone()
+            if self.stop_at == f"{stage}.{r}":
+                raise Recorded(self.values[self.stop_at])
+
 
     def put_readout(self, r: int, hidden, target, drafter):
         self.put("hidden", r, hidden)
         top = drafter.draft_logits(hidden[1:], target.get_output_embeddings()).topk(5, dim=-1)   # (W-1, 5) each
         self.put("top5_logits", r, top.values)
         self.put("top5_ids", r, top.indices)
+        if drafter.candidate_selector is None:   # a DFlash drafter drafts the argmax; DFlash2's walk: below
+            self.draft_margin = min(self.draft_margin, float((top.values[:, 0] - top.values[:, 1]).min()))
 
     def drafter_parts(self, r_now):
         """Patches that record DFlash2's stages as either file runs them: the first convolution of a round
@@ -169,6 +292,12 @@ class Recorder:
         def select(selector, hidden, logits, anchor, temperature, uniforms):
             scores.clear()
             drafts, candidates, q = real_select(selector, hidden, logits, anchor, temperature, uniforms)
+            top2 = torch.stack(scores).topk(2, dim=-1).values                          # (k, 2) the walk's choices
+            gaps = [top2[:, 0] - top2[:, 1]]
+            if selector.top_k < logits.shape[-1]:   # and which tokens are candidates
+                edge = logits.topk(selector.top_k + 1, dim=-1).values[:, -2:]          # (k, 2)
+                gaps.append(edge[:, 0] - edge[:, 1])
+            self.draft_margin = min([self.draft_margin] + [float(g.min()) for g in gaps])
             order = candidates.argsort(-1)                                              # (k, top_k) by id
             self.put("candidates", r_now(), candidates.gather(-1, order))
             self.put("selector_scores", r_now(), torch.stack(scores).gather(-1, order))
@@ -182,11 +311,11 @@ class Recorder:
                 mock.patch.object(dflash.CandidateSelector, "scores", score)]
 
 
-def record_reference(target, drafter, request: dict, generate=None):
+def record_reference(target, drafter, request: dict, generate=None, stop_at: str | None = None):
     """dflash.generate on the request, every stage recorded by wrapping the functions it calls (the math
     itself is untouched). `generate` swaps in a variant (the tests' broken ports). -> the values, the
-    Generation, and the Recorder (its target_margin: the least top-2 logit gap of the target's rows)."""
-    rec, d = Recorder(), dflash
+    Generation, and the Recorder (its margins: see `margin`). stop_at: raise Recorded once that key is."""
+    rec, d = Recorder(stop_at), dflash
     real = {name: getattr(d, name) for name in ("target_forward", "propose", "draft_block", "verify",
                                                 "append_context")}
     real_project = d.Drafter.project_context
@@ -311,9 +440,32 @@ def record_fastpath(target, drafter, request: dict) -> dict:
     return rec.values | whole_run_values(gen)
 
 
+def record_graphed(case_dir: Path, request: dict) -> dict:
+    """fastpath.generate on CUDA (float32), through its compiled and captured graphs: only what a graph replay
+    leaves, the whole run's values (round_drafts, acceptance_lengths, tokens), for comparing a graphed run's
+    drafts round by round with eager ones."""
+    spec = checkpoint.read_file(Path(case_dir) / "case.json", "conformance case")
+    dflash.require(request["temperature"] == 0, f"--graphs: case {spec['case']} is sampled, and a CUDA generator "
+                   "draws other uniforms than the kit's CPU one; give a greedy case")
+    dflash.require(torch.cuda.is_available(), "--graphs: no CUDA device (the graphs are captured on CUDA only)")
+    target = checkpoint.load_target(str(Path(case_dir) / "target"), torch.float32, "cuda")
+    drafter = checkpoint.load_drafter(str(Path(case_dir) / "drafter"), target, torch.float32, "cuda")
+    K = drafter.config.block_size - 1 if request["num_drafts"] is None else request["num_drafts"]
+    kwargs = generate_kwargs(request)
+    with closing(fastpath.Decoder(target, drafter, fastpath.capacity_for(len(request["prompt_ids"]),
+                                  request["max_new_tokens"], K), K, kwargs["full_block"], kwargs["sampling"])) as dec:
+        gen = dec.generate(request["prompt_ids"], request["max_new_tokens"], stop_ids=kwargs["stop_ids"],
+                           seed=kwargs["seed"])
+        dflash.require(bool(dec.graphs), f"--graphs: case {spec['case']} ran eagerly (its step was not captured)")
+    return whole_run_values(gen)
+
+
 def whole_run_values(gen) -> dict:
-    """The WHOLE_RUN values of a Generation, as a dump holds them."""
-    return {"acceptance_lengths": torch.tensor(gen.acceptance_lengths), "tokens": torch.tensor(gen.tokens)}
+    """The WHOLE_RUN values of a Generation, as a dump holds them: round_drafts (rounds, K), −1 past a round's k."""
+    K = len(gen.position_drafted)
+    drafts = torch.tensor([r["draft"] + [-1] * (K - len(r["draft"])) for r in gen.rounds], dtype=torch.long)
+    return {"round_drafts": drafts.reshape(len(gen.rounds), K),
+            "acceptance_lengths": torch.tensor(gen.acceptance_lengths), "tokens": torch.tensor(gen.tokens)}
 
 
 def generate_kwargs(request: dict) -> dict:
@@ -321,18 +473,24 @@ def generate_kwargs(request: dict) -> dict:
     sampling = dflash.Sampling(request["temperature"], request["top_p"], request["top_k"],
                                request.get("drafts", "argmax"))
     return dict(num_drafts=request["num_drafts"], full_block=request["full_block"], sampling=sampling,
-                seed=request["seed"])
+                seed=request["seed"], stop_ids=request.get("stop_ids", ()))
 
 
 # -----------------------------------------------------------------------------
 # Writing the kit
 
 def request_of(name: str, case: dict) -> dict:
+    """The case's request: a seeded prompt; a designed case's counts through CYCLE but for its 5th token,
+    so that the first round's drafts, copied from the prompt, are rejected part way."""
     g = torch.Generator().manual_seed(len(name))
-    return {"prompt_ids": torch.randint(0, VOCAB - 1, (case["prompt_len"],), generator=g).tolist(),
-            "max_new_tokens": case["max_new_tokens"], "num_drafts": case.get("num_drafts"),
+    prompt = torch.randint(0, VOCAB - 1, (case["prompt_len"],), generator=g).tolist()
+    if case.get("designed"):
+        prompt = [CYCLE[(3 + i) % len(CYCLE)] for i in range(case["prompt_len"])]
+        prompt[4] = SUCCESSOR[prompt[4]]
+    stops = {"stop_ids": case["stop_ids"]} if "stop_ids" in case else {}
+    return {"prompt_ids": prompt, "max_new_tokens": case["max_new_tokens"], "num_drafts": case.get("num_drafts"),
             "full_block": case.get("full_block", True), "temperature": case.get("temperature", 0.0),
-            "top_p": case.get("top_p", 1.0), "top_k": case.get("top_k", 0), "seed": case.get("seed", 0)}
+            "top_p": case.get("top_p", 1.0), "top_k": case.get("top_k", 0), "seed": case.get("seed", 0), **stops}
 
 
 def load_case(case_dir: Path):
@@ -347,10 +505,10 @@ def load_case(case_dir: Path):
 MARGIN = 1e-2   # the least gap between the two largest logits of any row a case's tokens depend on
 
 
-def margin(values: dict, target_margin: float) -> float:
-    """The smallest top-2 logit gap over the target's rows and the recorded draft rows."""
-    draft = [float((top[:, 0] - top[:, 1]).min()) for key, top in values.items() if key.startswith("top5_logits.")]
-    return min([target_margin] + draft)
+def margin(recorder: Recorder) -> float:
+    """The least gap any greedy choice of the run won by: the target's top-2 logits; a DFlash drafter's top-2
+    draft logits; DFlash2's top-2 selector scores and its k-th and (k+1)-th draft logits (which are candidates)."""
+    return min(recorder.target_margin, recorder.draft_margin)
 
 
 CASE_FILES = {"target", "drafter", "case.json", "expected.safetensors"}
@@ -372,8 +530,8 @@ def fill_case(directory: Path, name: str, case: dict, seed: int):
     """A case's pair from the first seed (seed, seed + 2, ...) whose greedy choices all win by MARGIN, so
     that a port's float32 rounding cannot flip a token and whose output holds two tokens at least, or,
     sampled, whose output is not its greedy decode and holds at least 4 different tokens, so that the draws
-    are not forced; and whose recorded rounds accept a draft, so that acceptance and a multi-row context
-    append are checked; its request; dflash.py's values at every stage."""
+    are not forced; and whose recorded rounds accept a draft (two rounds, greedy), so that acceptance and a
+    multi-row context append are checked; its request; dflash.py's values at every stage."""
     request = request_of(name, case)
     for seed in range(seed, seed + 40, 2):
         write_pair(directory, case, seed)
@@ -384,11 +542,12 @@ def fill_case(directory: Path, name: str, case: dict, seed: int):
             greedy = dflash.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"]).tokens
             clear = gen.tokens != greedy and len(set(gen.tokens)) >= 4
         else:   # and not one token over and over, which a verifier that compares wrongly can still match
-            clear = margin(values, recorder.target_margin) >= MARGIN and len(set(gen.tokens)) >= 2
-        if clear and any(int(v) > 0 for k, v in values.items() if k.startswith("accepted.")):
+            clear = margin(recorder) >= MARGIN and len(set(gen.tokens)) >= 2
+        accepting = sum(int(v) > 0 for k, v in values.items() if k.startswith("accepted."))   # recorded rounds
+        if clear and accepting >= (1 if request["temperature"] > 0 else 2):
             break
     else:
-        raise ValueError(f"conformance: no seed gives case {name} clear argmaxes and an accepted draft")
+        raise ValueError(f"conformance: no seed gives case {name} clear choices and rounds that accept a draft")
     spec = {"case": name, "about": case["about"], "seed": seed, "request": request, "rounds_recorded": ROUNDS,
             "stages": {stage: {"shape": shape, "tolerance": tol, "pitfall": pitfall}
                        for stage, (shape, tol, pitfall) in STAGES.items()},
@@ -444,16 +603,17 @@ def within_ties(ids, logits, tolerance: float):
     return out
 
 
-def check(case_dir: Path, dump: dict, tolerance: float | None = None) -> dict:
+def check(case_dir: Path, dump: dict, tolerance: float | None = None, diagnose: bool = True) -> dict:
     """Compare a dump with a case: per key 'ok', 'missing' or the first difference; the first stage that
-    differs, its pitfall and a note on where it points. `tolerance` replaces the case's tolerance of every
+    differs, its pitfall, a note on where it points and (diagnose) the known mistakes that reproduce it. `tolerance` replaces the case's tolerance of every
     float stage (an engine in bf16 needs about 3e-2): |got − want| ≤ tolerance · (1 + |want|), the case's
     float32 values the reference; exact stages stay exact."""
     case_dir = Path(case_dir)
     spec = checkpoint.read_file(case_dir / "case.json", "conformance case")
     expected = load_file(case_dir / "expected.safetensors") | {
         "acceptance_lengths": torch.tensor(spec["acceptance_lengths"])}
-    whole_run = {"tokens": spec["tokens"], "acceptance_lengths": {"tolerance": 0, "pitfall": ACCEPTANCE_PITFALL}}
+    whole_run = {"tokens": spec["tokens"], "acceptance_lengths": {"tolerance": 0, "pitfall": ACCEPTANCE_PITFALL},
+                 "round_drafts": {"tolerance": 0, "pitfall": ROUND_DRAFTS_PITFALL}}
     unknown = sorted(set(dump) - set(expected))
     results, first = {}, None
     for key in stage_order(expected):
@@ -470,20 +630,25 @@ def check(case_dir: Path, dump: dict, tolerance: float | None = None) -> dict:
         if stage in ("candidates", "selector_scores") and f"candidates.{r}" in dump:   # compared by candidate id
             by_id = dump[f"candidates.{r}"].argsort(-1)
             got = got.gather(-1, by_id) if got.shape == by_id.shape else got
-        if stage == "acceptance_lengths" and got.shape != want.shape:   # the first round where they part
+        if stage in ("acceptance_lengths", "round_drafts") and got.shape[1:] == want.shape[1:] and \
+                len(got) != len(want):   # runs of other lengths: the first round where they part
             n = min(len(got), len(want))
-            part = next((i for i in range(n) if got[i] != want[i]), n)
-            diff = ((part,), got[part].item() if part < len(got) else "none", want[part].item() if part < len(want)
-                    else "none")
+            part = next((i for i in range(n) if not torch.equal(got[i], want[i])), n)
+            diff = ((part,), *(t[part].tolist() if part < len(t) else "none" for t in (got, want)))
         else:
             diff = first_difference(got, want, tol)
         results[key] = "ok" if diff is None else diff
-        if diff is not None and first is None:
+        earlier_round = first is not None and first["key"] == "round_drafts" and key == "acceptance_lengths" and \
+            diff is not None and diff[0] != "shape" and first["difference"][0] != "shape" and \
+            diff[0][0] < first["difference"][0][0]   # a round verifies what it drafted: the earlier round first
+        if diff is not None and (first is None or earlier_round):
             first = {"key": key, "stage": stage, "difference": diff, "pitfall": info["pitfall"],
                      "note": where_it_points(case_dir, stage, diff, want)}
+            if stage in MISTAKES and diagnose:
+                first["mistakes"] = known_mistakes(case_dir, spec["request"], key, got, tol)
     compared = [key for key, outcome in results.items() if outcome != "missing"]
     return {"case": spec["case"], "results": results, "first": first, "unknown": unknown, "compared": len(compared),
-            "staged": sum(key not in WHOLE_RUN for key in compared), "total": len(results)}
+            "staged": sum(key not in DRAFTER_BLIND for key in compared), "total": len(results)}
 
 
 def where_it_points(case_dir: Path, stage: str, diff, want) -> str | None:
@@ -499,7 +664,119 @@ def where_it_points(case_dir: Path, stage: str, diff, want) -> str | None:
                 f"{layer} (0-based; HF hidden_states[{layer + 1}]), row {index[0]} its position")
     if stage == "acceptance_lengths" and index != "shape":
         return f"round {index[0] + 1} is the first whose acceptance length differs"
+    if stage == "round_drafts" and index != "shape":
+        return f"round {index[0] + 1} is the first whose drafts differ" + \
+            (f" (at draft {index[1] + 1})" if len(index) == 2 else "")
     return None
+
+
+# -----------------------------------------------------------------------------
+# Known mistakes: where a stage differs, dflash.py is replayed with each mistake a port is known to make
+# there, and those whose value at the differing key equals the dump's are named
+
+def set_layers(drafter, only=lambda layer: True, **attributes) -> list:
+    for layer in drafter.layers:
+        if only(layer):
+            for name, value in attributes.items():
+                setattr(layer, name, value)
+    return []
+
+
+def block_shifted(offset: int):
+    """dflash.draft_block with the block at positions start + offset …: its queries' and keys' RoPE and mask."""
+    def draft_block(drafter, ctx, block_embeds):
+        positions = torch.arange(ctx.length, ctx.length + len(block_embeds)) + offset                   # (W,)
+        key_positions = torch.cat([torch.arange(ctx.length), positions])                                 # (S+W,)
+        masks = [dflash.attention_mask(positions, key_positions, layer.causal, layer.window) for layer in drafter.layers]
+        return drafter(block_embeds, drafter.rope_tables(positions, block_embeds.dtype),
+                       list(zip(ctx.keys, ctx.values)), masks, block=len(block_embeds))
+    return lambda drafter: [mock.patch.object(dflash, "draft_block", draft_block)]
+
+
+def one_sided_visible_at(delta, causal: bool, window):
+    visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
+    return visible if window is None else visible & (delta < window)
+
+
+def first_rope_base(drafter) -> list:
+    for layer in drafter.layers:
+        layer.self_attn.rope_theta = drafter.config.rope_thetas[0]
+    drafter.config.rope_thetas = [drafter.config.rope_thetas[0]] * len(drafter.layers)
+    return []
+
+
+def bonus_row_early(drafter) -> list:
+    """After each verification, the context takes the row past the accepted ones too: the bonus's own
+    hidden state, a round before the bonus is verified."""
+    real_forward, real_project, verified = dflash.target_forward, dflash.Drafter.project_context, {}
+
+    def target_forward(*args):
+        logits, verified["features"] = real_forward(*args)
+        return logits, verified["features"]
+
+    def project_context(self, features):   # features: the first a+1 of the verified rows, or the prompt's
+        rows = verified["features"]
+        return real_project(self, rows[:len(features) + 1] if len(features) < len(rows) else features)
+    return [mock.patch.object(dflash, "target_forward", target_forward),
+            mock.patch.object(dflash.Drafter, "project_context", project_context)]
+
+
+def without(module_name: str):
+    return lambda drafter: setattr(drafter, module_name, torch.nn.Identity()) or []
+
+
+# stage -> {the mistake: (whether a drafter can make it, the mistake made on a fresh pair -> patches to enter)}
+MISTAKES = {
+    "hidden": {
+        "a causal mask over the block (no row sees a later one)": (
+            lambda d: not all(layer.causal for layer in d.layers), lambda d: set_layers(d, causal=True)),
+        "the causality override ignored (its sliding layers causal, as without dflash_config.causal false)": (
+            lambda d: any(layer.window and not layer.causal for layer in d.layers) and
+            any(layer.window is None for layer in d.layers),
+            lambda d: set_layers(d, lambda layer: layer.window is not None, causal=True)),
+        "no causal mask (the rows of a causal layer see later rows)": (
+            lambda d: any(layer.causal for layer in d.layers), lambda d: set_layers(d, causal=False)),
+        "a sliding layer as full attention (no window, no causal mask)": (
+            lambda d: any(layer.window and layer.causal for layer in d.layers),
+            lambda d: set_layers(d, lambda layer: layer.window is not None, causal=False, window=None)),
+        "the block one position late (its rows at start + 1 …)": (lambda d: True, block_shifted(1)),
+        "the block one position early (its rows at start − 1 …)": (lambda d: True, block_shifted(-1)),
+        "no sliding window": (lambda d: any(layer.window for layer in d.layers), lambda d: set_layers(d, window=None)),
+        "the window on one side only (a bidirectional sliding layer)": (
+            lambda d: any(layer.window and not layer.causal for layer in d.layers),
+            lambda d: [mock.patch.object(dflash, "visible_at", one_sided_visible_at)]),
+        "the first layer's RoPE base in every layer": (lambda d: len(set(d.config.rope_thetas)) > 1, first_rope_base),
+        "no final norm": (lambda d: True, without("norm")),
+    },
+    "context": {
+        "no hidden_norm after fc": (lambda d: True, without("hidden_norm")),
+        "no per-capture norms (aux_hidden_norms)": (lambda d: d.aux_hidden_norms is not None,
+                                                    lambda d: setattr(d, "aux_hidden_norms", None) or []),
+        "the bonus's hidden state in the context a round early (a row past the accepted drafts)": (
+            lambda d: True, bonus_row_early),
+    },
+}
+
+
+def known_mistakes(case_dir: Path, request: dict, key: str, got, tolerance: float) -> tuple[list, list]:
+    """Replay the case with each known mistake at key's stage, up to key -> (the mistakes whose value there
+    equals got within tolerance, every mistake replayed)."""
+    found, tried = [], []
+    for mistake, (applies, make) in MISTAKES[key.rsplit(".", 1)[0]].items():
+        target, drafter, _ = load_case(case_dir)
+        if not applies(drafter):
+            continue
+        tried.append(mistake)
+        with ExitStack() as patches:
+            for patch in make(drafter):
+                patches.enter_context(patch)
+            try:
+                record_reference(target, drafter, request, stop_at=key)
+                continue   # the replay never reached key
+            except Recorded as replayed:
+                if first_difference(got, replayed.value, tolerance) is None:
+                    found.append(mistake)
+    return found, tried
 
 
 def report(result: dict) -> str:
@@ -523,9 +800,14 @@ def report(result: dict) -> str:
         lines.append(f"first difference: {first['key']} ({first['stage']}); usually {first['pitfall']}")
         if first["note"]:
             lines.append(f"  {first['note']}")
+        if "mistakes" in first:
+            found, tried = first["mistakes"]
+            lines += [f"  {first['key']} is what dflash.py computes with {m}" for m in found] or \
+                [f"  no known mistake reproduces {first['key']} (replayed: {'; '.join(tried)})"]
     elif not result["staged"]:
         lines.append("no verdict: only tokens and acceptance_lengths were compared, and the target's verification "
-                     "keeps the tokens right whatever a drafter bug drafts; dump the stages ('<stage>.<round>')")
+                     "keeps the tokens right whatever a drafter bug drafts; dump the stages ('<stage>.<round>') "
+                     "or round_drafts")
     else:
         lines.append("conforms: every stage given matches")
     return "\n".join(lines)
@@ -555,6 +837,8 @@ def main(argv=None):
     s = sub.add_parser("dump-fastpath", help="run fastpath.py on a case and write its dump")
     s.add_argument("--case", required=True)
     s.add_argument("--out", required=True, help="the dump to write (.safetensors)")
+    s.add_argument("--graphs", action="store_true", help="run on CUDA through the captured graphs: a dump of the "
+                   "whole run's values (round_drafts, acceptance_lengths, tokens), the stages being inside the graphs")
     s = sub.add_parser("check", help="compare an engine's dump with a case, stage by stage")
     s.add_argument("dump", help="a .safetensors file of '<stage>.<round>' tensors (any subset)")
     s.add_argument("--case", required=True)
@@ -572,8 +856,12 @@ def main(argv=None):
         return print(f"wrote {len(CASES)} cases to {args.kit}")
     directory = case_dir(args.case, Path(args.kit))
     if args.command == "dump-fastpath":
-        target, drafter, spec = load_case(directory)
-        save_file(record_fastpath(target, drafter, spec["request"]), args.out)
+        spec = checkpoint.read_file(directory / "case.json", "conformance case")
+        if args.graphs:
+            save_file(record_graphed(directory, spec["request"]), args.out)
+        else:
+            target, drafter, spec = load_case(directory)
+            save_file(record_fastpath(target, drafter, spec["request"]), args.out)
         return print(f"wrote {args.out}")
     dflash.require(args.tolerance is None or 0 < args.tolerance < 1, f"--tolerance = {args.tolerance} must be in (0, 1)")
     dump = checkpoint.read_file(Path(args.dump), "dump", load_file)

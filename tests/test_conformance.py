@@ -57,12 +57,15 @@ def test_an_interrupted_conformance_write_leaves_the_old_case_whole(tmp_path, mo
 
 
 def test_every_case_covers_what_the_kit_promises():
-    """Eight cases: z-lab full attention, the newer layout with a biting window, and with its causality
+    """Eleven cases: z-lab full attention, the newer layout with a biting window, and with its causality
     override off, RoPE bases per layer type and the default layer ids, Laguna, K < B-1 at both compute
-    widths, a sampled case (temperature, top-p and top-k) whose output is not its greedy decode, and
-    DFlash2 with its convolution and selector stages; Qwen3, Llama and Laguna targets; each accepts a draft
-    within its recorded rounds; the sampled case alone records uniforms; every pair stays small."""
+    widths, a sampled case (temperature, top-p and top-k) whose output is not its greedy decode, DFlash2 with
+    its convolution and selector stages; and designed pairs that accept whole blocks: a DFlash one, the same
+    with a stop token accepted inside a block, and a DFlash2 one whose walk does it. Qwen3, Llama and Laguna
+    targets; each accepts a draft within its recorded rounds; the sampled case alone records uniforms; every
+    case holds each round's drafts; every pair stays small."""
     specs = {n: json.loads((conformance.KIT / n / "case.json").read_text()) for n in conformance.CASES}
+    assert len(specs) == 11
     families = {json.loads((conformance.KIT / n / "target" / "config.json").read_text())["model_type"] for n in specs}
     assert families == {"qwen3", "llama", "laguna"}
     assert {(s["request"]["num_drafts"], s["request"]["full_block"]) for s in specs.values()} >= {(3, True), (3, False)}
@@ -77,16 +80,35 @@ def test_every_case_covers_what_the_kit_promises():
         assert any(int(expected[f"accepted.{r}"]) > 0 for r in range(1, conformance.ROUNDS + 1)
                    if f"accepted.{r}" in expected), name
         dflash2_stages = {"conv", "candidates", "selector_scores"}
-        stages = set(conformance.STAGES) - (set() if name == "dflash2" else dflash2_stages) \
+        stages = set(conformance.STAGES) - (set() if name.startswith("dflash2") else dflash2_stages) \
             - (set() if spec["request"]["temperature"] > 0 else {"uniforms"})   # greedy rounds draw nothing
-        assert {k.rsplit(".", 1)[0] for k in expected} == stages | {"tokens"}, name
+        assert {k.rsplit(".", 1)[0] for k in expected} == stages | {"tokens", "round_drafts"}, name
+        assert expected["round_drafts"].shape == (len(spec["acceptance_lengths"]), drafter_k(spec, name)), name
         assert sum(p.stat().st_size for p in (conformance.KIT / name).rglob("*") if p.is_file()) < 600_000, name
+    for name in ("high-acceptance", "dflash2-high-acceptance"):   # whole blocks accepted, in the recorded rounds
+        spec, expected = specs[name], load_file(conformance.KIT / name / "expected.safetensors")
+        K = drafter_k(spec, name)
+        accepted = [int(expected[f"accepted.{r}"]) for r in range(1, conformance.ROUNDS + 1)
+                    if f"accepted.{r}" in expected]
+        assert spec["tau"] > 5 and sum(a >= K - 1 for a in accepted) >= 5 and len(set(expected["tokens"].tolist())) == 7
+        assert min(accepted) < K - 1, name                                          # and a round that rejects
+    stop = specs["stop-in-block"]
+    tokens, lengths = load_file(conformance.KIT / "stop-in-block" / "expected.safetensors")["tokens"].tolist(), \
+        stop["acceptance_lengths"]
+    assert tokens[-1] in stop["request"]["stop_ids"] and tokens.count(tokens[-1]) == 1
+    assert len(tokens) < stop["request"]["max_new_tokens"] and 1 + sum(lengths) > len(tokens) and lengths[-1] == 8
     both_sides = json.loads((conformance.KIT / "zlab-new-bidirectional" / "drafter" / "config.json").read_text())
     assert both_sides["dflash_config"]["causal"] is False and "target_layer_ids" not in both_sides["dflash_config"]
     assert "sliding_attention" in both_sides["layer_types"] and len({
         p["rope_theta"] for p in both_sides["rope_parameters"].values()}) == 2
     window = json.loads((conformance.KIT / "zlab-new-window" / "drafter" / "config.json").read_text())
     assert len(specs["zlab-new-window"]["request"]["prompt_ids"]) > window["sliding_window"]
+
+
+def drafter_k(spec: dict, name: str) -> int:   # the case's drafts a round
+    raw = json.loads((conformance.KIT / name / "drafter" / "config.json").read_text())
+    block = raw.get("block_size") or raw["dflash_config"]["block_size"]
+    return spec["request"]["num_drafts"] or block - 1
 
 
 @pytest.mark.parametrize("name", sorted(conformance.CASES))
@@ -187,14 +209,15 @@ BROKEN_VERIFIERS = {   # greedy verifiers that compare wrongly: accepted drafts 
 }
 
 
-GREEDY_CASES = ["zlab-qwen3", "zlab-new-window", "laguna", "k3-block-width", "k3-drafts-width", "zlab-new-bidirectional"]
+GREEDY_CASES = ["zlab-qwen3", "zlab-new-window", "laguna", "k3-block-width", "k3-drafts-width", "zlab-new-bidirectional",
+                "high-acceptance", "stop-in-block", "dflash2-high-acceptance"]
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_VERIFIERS))
 def test_greedy_cases_fail_a_verifier_that_compares_wrongly(name):
     """A greedy verifier that compares the drafts with the wrong rows is named at verification by every
-    greedy case; one that counts matches past the first miss by every one but zlab-new-bidirectional, whose
-    drafts never match again after a miss (its run ends at other rounds, so later stages go missing)."""
+    greedy case; one that counts matches past the first miss by every one but zlab-qwen3, whose drafts never
+    match again after a miss. The designed cases name both in their first round."""
     passed = set()
     for case in GREEDY_CASES:
         target, drafter, spec = conformance.load_case(conformance.KIT / case)
@@ -204,7 +227,8 @@ def test_greedy_cases_fail_a_verifier_that_compares_wrongly(name):
             passed.add(case)
         else:
             assert result["first"]["stage"] == "accepted", conformance.report(result)
-    assert passed == ({"zlab-new-bidirectional"} if name == "matches counted past the first miss" else set())
+            assert result["first"]["key"] == "accepted.1" or conformance.CASES[case].get("designed") is None
+    assert passed == ({"zlab-qwen3"} if name == "matches counted past the first miss" else set())
 
 
 def convolution_carried_over(target, drafter, request):
@@ -236,11 +260,26 @@ def codebooks_left_at_init(drafter):
         drafter.candidate_selector.predecessor_codebook.normal_(generator=torch.Generator().manual_seed(0))
 
 
+def block_one_late(target, drafter, request):
+    """A port whose block rows sit one position late: RoPE at start + 1 … for the block's queries and keys."""
+    real = dflash.draft_block
+
+    def draft_block(drafter_, ctx, block_embeds):
+        tables = drafter_.rope_tables
+        with mock.patch.object(drafter_, "rope_tables", lambda positions, dtype: tables(positions + 1, dtype)):
+            return real(drafter_, ctx, block_embeds)
+    with mock.patch.object(dflash, "draft_block", draft_block):   # patched first, so the recorder wraps it
+        return conformance.record_reference(target, drafter, request)[0]
+
+
 BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must name, a word of its pitfall)
     "DFlash2 convolution carried over blocks": ("dflash2", convolution_carried_over, "conv", "carrying the last block"),
     "DFlash2 codebooks left at their init": ("dflash2", with_drafter_change(codebooks_left_at_init), "selector_scores",
                                              "codebooks"),
     "DFlash2 walk seeded with the mask token": ("dflash2", walk_from_the_mask_token, "selector_scores", "seeded"),
+    "causal mask over a bidirectional block": ("zlab-qwen3", with_drafter_change(lambda d: [
+        setattr(layer, "causal", True) for layer in d.layers]), "hidden", "causal"),
+    "block one position late": ("zlab-qwen3", block_one_late, "hidden", "wrong positions"),
     "causality override ignored": ("zlab-new-bidirectional", with_drafter_change(lambda d: [
         setattr(layer, "causal", layer.window is not None) for layer in d.layers]), "hidden", "causality override"),
     "window on one side only": ("zlab-new-bidirectional", one_sided_window, "hidden", "one side only"),
@@ -261,6 +300,20 @@ BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must nam
     "no input norm on the context K/V": ("laguna", with_drafter_change(
         lambda d: [setattr(layer, "context_norm", torch.nn.Identity()) for layer in d.layers]),
         "ctx_keys", "no input norm"),
+    "no hidden_norm after fc": ("high-acceptance", with_drafter_change(lambda d: setattr(d, "hidden_norm", torch.nn.Identity())),
+                                "context", "hidden_norm"),
+}
+DIAGNOSES = {   # pitfall: the one known mistake the checker must say reproduces the first difference
+    "causal mask over a bidirectional block": "a causal mask over the block",
+    "block one position late": "the block one position late",
+    "causality override ignored": "the causality override ignored",
+    "window on one side only": "the window on one side only",
+    "one RoPE base for every layer": "the first layer's RoPE base in every layer",
+    "sliding layer as full attention": "a sliding layer as full attention",
+    "no window": "no sliding window",
+    "missing Laguna per-capture norm": "no per-capture norms",
+    "no hidden_norm after fc": "no hidden_norm after fc",
+    "bonus hidden state too early": "the bonus's hidden state in the context a round early",
 }
 
 
@@ -309,7 +362,43 @@ def test_checker_names_the_stage_each_pitfall_breaks(pitfall):
     result = conformance.check(conformance.KIT / name, port(target, drafter, spec["request"]))
     assert result["first"] is not None and result["first"]["stage"] == stage, conformance.report(result)
     assert "missing" not in result["results"].values() and word in result["first"]["pitfall"]
-    assert f"first difference: {result['first']['key']} ({stage}); usually" in conformance.report(result)
+    text = conformance.report(result)
+    assert f"first difference: {result['first']['key']} ({stage}); usually" in text
+    if stage in conformance.MISTAKES:   # the replays name the one mistake made, among those tried
+        found, tried = result["first"]["mistakes"]
+        assert len(found) == 1 and found[0].startswith(DIAGNOSES[pitfall]) and len(tried) >= 2, text
+        assert f"  {result['first']['key']} is what dflash.py computes with {found[0]}" in text
+
+
+def stale_drafts_after_the_recorded_rounds(target, drafter, request):
+    """A port that, after the recorded rounds, verifies the previous round's drafts, as a graph that reads its
+    draft buffer before the draft kernel writes it would: the tokens stay right."""
+    real, last = dflash.propose, {}
+
+    def propose(drafter_, ctx, block, target_, count, sampling, uniforms):
+        drafts, q = real(drafter_, ctx, block, target_, count, sampling, uniforms)
+        stale = last.get("drafts", drafts)[:count] if ctx.length >= threshold else drafts
+        last["drafts"] = drafts
+        return stale, q
+    threshold = len(request["prompt_ids"]) + sum(conformance.checkpoint.read_file(
+        conformance.KIT / "high-acceptance" / "case.json", "case")["acceptance_lengths"][:conformance.ROUNDS])
+    with mock.patch.object(dflash, "propose", propose):   # patched first, so the recorder wraps it
+        return conformance.record_reference(target, drafter, request)[0]
+
+
+def test_round_drafts_name_the_first_round_whose_drafts_differ_after_the_recorded_ones():
+    """round_drafts holds every round's drafts: a port that verifies stale drafts after the recorded rounds,
+    with every recorded stage and the tokens right, is named at round_drafts with its first round; a dump of
+    the whole run's values alone (what a graphed run leaves) conforms when they match."""
+    target, drafter, spec = conformance.load_case(conformance.KIT / "high-acceptance")
+    result = conformance.check(conformance.KIT / "high-acceptance",
+                               stale_drafts_after_the_recorded_rounds(target, drafter, spec["request"]))
+    assert result["first"]["key"] == "round_drafts" and result["results"]["tokens"] == "ok", conformance.report(result)
+    assert result["first"]["note"].startswith(f"round {conformance.ROUNDS + 1} is the first whose drafts differ")
+    assert all(outcome == "ok" for key, outcome in result["results"].items() if key not in conformance.WHOLE_RUN)
+    full = conformance.record_fastpath(target, drafter, spec["request"])
+    whole = conformance.check(conformance.KIT / "high-acceptance", {k: full[k] for k in conformance.WHOLE_RUN})
+    assert conformance.verdict(whole) and whole["compared"] == 3
 
 
 def test_checker_gives_no_verdict_on_tokens_alone_and_says_how_much_it_compared():
@@ -396,3 +485,33 @@ def test_checker_takes_any_subset_and_the_cli_reports_it(tmp_path):
     unknown = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "nope", script="conformance.py")
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines()[-1].startswith(
         "error: --case = 'nope' is not in ")
+
+
+def test_a_graphed_dump_needs_a_greedy_case_and_cuda(tmp_path):
+    """`dump-fastpath --graphs` refuses a sampled case (a CUDA generator draws other uniforms) and, without
+    CUDA, says so in one line: exit 2, no file written."""
+    out = tmp_path / "g.safetensors"
+    sampled = run_cli("dump-fastpath", "--graphs", "--case", "sampled", "--out", str(out), script="conformance.py")
+    assert sampled.returncode == 2 and sampled.stderr.strip().splitlines()[-1] == (
+        "error: --graphs: case sampled is sampled, and a CUDA generator draws other uniforms than the kit's CPU one; "
+        "give a greedy case")
+    if not torch.cuda.is_available():
+        greedy = run_cli("dump-fastpath", "--graphs", "--case", "high-acceptance", "--out", str(out),
+                         script="conformance.py")
+        assert greedy.returncode == 2 and greedy.stderr.strip().splitlines()[-1] == (
+            "error: --graphs: no CUDA device (the graphs are captured on CUDA only)")
+    assert not out.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_fastpath_drafts_what_the_kit_drafts_round_by_round_on_cuda():
+    """fastpath.py through its compiled, captured graphs (float32, CUDA) drafts every greedy case's drafts
+    round by round, with its acceptance lengths and tokens: the kit's graphed-against-eager comparison."""
+    for name in conformance.CASES:
+        spec = json.loads((conformance.KIT / name / "case.json").read_text())
+        if spec["request"]["temperature"] > 0:
+            continue
+        dump = conformance.record_graphed(conformance.KIT / name, spec["request"])
+        result = conformance.check(conformance.KIT / name, dump, diagnose=False)
+        assert conformance.verdict(result) and result["compared"] == 3, (name, conformance.report(result))
