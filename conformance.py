@@ -224,10 +224,9 @@ def copying_drafter(t: dict, offset: int = 8, sharpness: float = 14.0):
 
 
 def walking_drafter(t: dict, strength: float = 5.0):
-    """A DFlash2 drafter whose layers add only a little (so its draft logits are near ties, and which
-    candidates a row has is close to chance), and whose selector's pair term is `strength` times its
-    hidden's e0 (about 4) when a candidate is the predecessor's successor: the walk counts on from the bonus
-    while the successor is among a row's candidates."""
+    """A DFlash2 drafter whose layers add only a little (so its draft logits are near ties), and whose
+    selector's pair term is `strength` times its hidden's e0 (about 4) when a candidate is the predecessor's
+    successor: the walk counts on from the bonus while the successor is among a row's candidates."""
     for name in t:
         if name.endswith(("o_proj.weight", "down_proj.weight", "kernel_projection.weight")):
             t[name] *= 0.05
