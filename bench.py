@@ -9,6 +9,9 @@ also projected at τ = 6.5), then times, after warm-up, with CUDA events / synch
   dflash-ref        one dflash.py step (draft + verify)
   fast-ar           fastpath target-only greedy step (one token), and its graph replay alone
   fast-dflash       one fastpath DFlash step (graph replay), and its draft and verify parts
+  fast-dflash2      the same for a DFlash2 drafter of the same backbone (its draft part beside DFlash's)
+  sampled           the draft part alone at T 0.7: DFlash's drafts drawn from its p and its argmax, DFlash2's
+                    drawn from its selector's q
 
 and per layer (one target layer at 1 and K+1 rows, one drafter layer, each compiled and captured
 alone): kernels, kernel time, replay time and the kernels by name.
@@ -16,7 +19,8 @@ alone): kernels, kernel time, replay time and the kernels by name.
 Each row: ms per step, tokens/s at the measured τ and at τ = 6.5, and the floor = bytes that must be
 read per step / device copy bandwidth measured in this run. A fastpath or dflash.py row is the median
 of its decode steps after the first 4 (20 at least); a graph row the median of 50 replays; an HF row
-the median of 3 runs of 64 tokens, less a 1-token run (the prefill), over 63.
+the median of 3 runs of 64 tokens, less a 1-token run (the prefill), over 63. With --profile, each
+graphed draft part's kernels by name (calls and µs per replay) go into the JSON (`draft_profiles`).
 
     $ python bench.py --shape qwen3-8b --out bench-qwen3-8b.json
     $ python bench.py --shape smollm2-135m
@@ -55,6 +59,10 @@ PROJECTED_TAU = 6.5   # the paper's Qwen3-8B GSM8K acceptance length
 MAX_POSITIONS = 4096   # the built target's max_position_embeddings
 MIN_NEW_TOKENS = 25    # a random drafter's run commits one token a round: 24 rounds, 20 after the first 4
 HF_NEW_TOKENS = 64     # what each HF row generates
+SAMPLED_TEMPERATURE = 0.7   # the draft parts of `sampled`: row, drafter, Sampling.drafts
+SAMPLED_ROWS = [("  fast draft part, T 0.7, drafts drawn", "dflash", "sampled"),
+                ("  fast draft part, T 0.7, argmax", "dflash", "argmax"),
+                ("  fast DFlash2 draft part, T 0.7", "dflash2", "sampled")]
 
 
 def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
@@ -229,7 +237,7 @@ def captured(run) -> torch.cuda.CUDAGraph:
 
 def graph_profile(graph, steps=20, calls=1) -> dict:
     """A captured graph of `calls` like calls, per call: its kernels, their names, the kernel time and
-    the replay time (CUDA events, median of 50)."""
+    the replay time (CUDA events, median of 50), and per name the kernel µs (`name_us`)."""
     from collections import Counter
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -237,9 +245,23 @@ def graph_profile(graph, steps=20, calls=1) -> dict:
             graph.replay()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    names, per = Counter(e.name[:90] for e in kernels), steps * calls
+    names, us, per = Counter(e.name[:90] for e in kernels), Counter(), steps * calls
+    for e in kernels:
+        us[e.name[:90]] += e.device_time
     return dict(kernels=len(kernels) / per, kernel_us=sum(e.device_time for e in kernels) / per,
-                replay_us=graph_time(graph.replay) * 1e3 / calls, names={n: c / per for n, c in names.most_common()})
+                replay_us=graph_time(graph.replay) * 1e3 / calls, names={n: c / per for n, c in names.most_common()},
+                name_us={n: round(t / per, 3) for n, t in us.most_common()})
+
+
+def draft_graph(dec, prompt) -> torch.cuda.CUDAGraph:
+    """A Decoder's draft part alone, compiled as capture_graphs compiles it and captured after the prompt's
+    prefill, its uniforms drawn once (its verify part is not compiled: a draft row replays only this)."""
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=1024):   # one compile per Decoder
+        dec.prefill(prompt)
+        dec.buf.max_accept.fill_(dec.K)
+        if dec.draws_drafts:
+            dec.buf.draft_uniforms.uniform_()
+        return captured(torch.compile(dec.draft_step, fullgraph=True, dynamic=False))
 
 
 def layer_profiles(dec, context: int) -> dict:
@@ -287,14 +309,18 @@ def main(argv=None):
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--skip", default="", help="comma-separated rows to skip: fast, dflash2 (the DFlash2 drafter "
-                   "of the same backbone beside the DFlash one), layers, dflash-ref, hf-eager, hf-static-compile")
+    p.add_argument("--skip", default="", help="comma-separated rows to skip: fast, fast-ar, steps (the DFlash and "
+                   "DFlash2 steps: their draft parts are then compiled and captured alone), dflash2 (the DFlash2 "
+                   "drafter of the same backbone beside the DFlash one), sampled (draft parts at T 0.7), layers, "
+                   "dflash-ref, hf-eager, hf-static-compile")
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--profile", action="store_true", help="also print the kernels of the graphed AR and DFlash steps")
+    p.add_argument("--profile", action="store_true", help="also print the kernels of the graphed AR and DFlash steps, "
+                   "and keep each draft part's kernels by name in the JSON")
     p.add_argument("--profile-eager", action="store_true",
                    help="also profile the eager rows: a dflash.py step and an HF generate token")
     args = p.parse_args(argv)
-    skip = skipped(args.skip, ("fast", "dflash2", "layers", "dflash-ref", "hf-eager", "hf-static-compile"))
+    skip = skipped(args.skip, ("fast", "fast-ar", "steps", "dflash2", "sampled", "layers", "dflash-ref", "hf-eager",
+                               "hf-static-compile"))
     shape = SHAPES[args.shape]
     dflash.require(args.prompt_len >= 1, f"--prompt-len = {args.prompt_len} must be at least 1")
     dflash.require(args.new_tokens >= MIN_NEW_TOKENS, f"--new-tokens = {args.new_tokens} must be at least "
@@ -322,8 +348,8 @@ def main(argv=None):
                       shape=args.shape, dtype="bfloat16", batch=1, prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, K=K, weights="random (timing only; τ measured = 1)",
                       copy_bandwidth_TBps=bandwidth / 1e12, bytes_ar=ar_bytes, bytes_dflash_step=ar_bytes + draft_bytes,
-                      compile_and_capture_s={}, inductor=inductor_settings())
-    rows, errors, layers, profile, ar_profile = [], {}, {}, None, None
+                      compile_and_capture_s={}, inductor=inductor_settings(), sampled_rows=SAMPLED_ROWS)
+    rows, errors, layers, profile, ar_profile, draft_profiles = [], {}, {}, None, None, {}
     print(f"\n{args.shape}: {conditions['gpu']}, bf16, batch 1, prompt {args.prompt_len}, {args.new_tokens} new, "
           f"K={K}, random weights, inductor {conditions['inductor']}; copy {bandwidth / 1e12:.2f} TB/s; floors {floor_ar:.3f} ms/AR token, "
           f"{floor_step:.3f} ms/DFlash step (incl. {lm_head / 1e9:.2f} GB LM head read again for drafts)")
@@ -344,14 +370,17 @@ def main(argv=None):
     def save():   # rewritten after every row, in one step, so a run cut short still leaves its numbers
         if args.out:
             value = dict(conditions=conditions, rows=rows, errors=errors, layers=layers, step_profile=profile,
-                         ar_step_profile=ar_profile)
+                         ar_step_profile=ar_profile, draft_profiles=draft_profiles)
             files.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(value, indent=2)))
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     pairs = (("fast-ar", None), ("fast-dflash", drafter), ("fast-dflash2", drafter2))
     decoders = {name: fastpath.Decoder(target, d, capacity, K if d is not None else 0)   # held side by side
-                for name, d in pairs if "fast" not in skip and not (name == "fast-dflash2" and "dflash2" in skip)}
+                for name, d in pairs if "fast" not in skip and name not in skip and
+                not (name == "fast-dflash2" and "dflash2" in skip)}
     for name, dec in decoders.items():
+        if dec.drafter is not None and "steps" in skip:
+            continue   # its draft part alone, below
         t0 = time.perf_counter()
         dec.generate(prompt, 8)   # compiles and captures the step
         torch.cuda.synchronize()
@@ -361,10 +390,23 @@ def main(argv=None):
         floor = {"fast-ar": floor_ar, "fast-dflash": floor_step}.get(name, (ar_bytes + draft2_bytes) / bandwidth * 1e3)
         add(name + (" step" if dec.drafter is not None else ""), statistics.median(times[4:]) * 1e3, gen.tau,
             floor, speculative=dec.drafter is not None)
-    def add_graph(row, dec, part, floor_bytes):   # one captured part replayed at the mid-generation context length
+
+    def add_graph(row, dec, part, floor_bytes, graph=None):   # a captured part replayed at the mid-generation context
+        if graph is None and part == "draft" and "steps" in skip:   # the draft part alone, compiled and captured here
+            t0 = time.perf_counter()
+            graph = draft_graph(dec, prompt)
+            conditions["compile_and_capture_s"][row.strip()] = round(time.perf_counter() - t0, 1)
+        graph = graph or dec.graphs[part]
         with torch.inference_mode():   # a verify advances start: put it back before each replay, untimed
-            ms = graph_time(dec.graphs[part].replay, before=lambda: dec.buf.start.fill_(context))
+            ms = graph_time(graph.replay, before=lambda: dec.buf.start.fill_(context))
         add(row, ms, 1.0, floor_bytes / bandwidth * 1e3)
+        if args.profile and part == "draft":
+            with torch.inference_mode():
+                dec.buf.start.fill_(context)
+                draft_profiles[row.strip()] = found = graph_profile(graph)
+            save()
+            print(f"    {found['kernels']:.0f} kernels, {found['kernel_us']:.1f} us of kernel time; costliest: " +
+                  ", ".join(f"{n[:40]} {t:.1f}" for n, t in list(found["name_us"].items())[:4]))
 
     ar = decoders.get("fast-ar")
     if ar is not None and ar.graphs:   # the AR row is a whole step, host loop included; this is its graph alone
@@ -375,11 +417,24 @@ def main(argv=None):
             save()
     dec2 = decoders.get("fast-dflash2")
     dec = decoders.get("fast-dflash")
-    if dec is not None and dec.graphs:
+    if dec is not None and (dec.graphs or "steps" in skip):
         add_graph("  fast draft part", dec, "draft", draft_bytes)
-        if dec2 is not None and dec2.graphs:   # beside v1's: the same backbone with the convolutions and the walk
+        if dec2 is not None:   # beside v1's: the same backbone with the convolutions and the walk
             add_graph("  fast DFlash2 draft part", dec2, "draft", draft2_bytes)
-        add_graph("  fast verify part", dec, "verify", ar_bytes)
+        if "steps" not in skip:
+            add_graph("  fast verify part", dec, "verify", ar_bytes)
+        if "sampled" not in skip:   # the draft part alone at T > 0: drafts drawn or the argmax
+            for row, d, drafts in SAMPLED_ROWS:
+                if d == "dflash2" and dec2 is None:
+                    continue
+                sampling = dflash.Sampling(SAMPLED_TEMPERATURE, drafts=drafts)
+                at_t = fastpath.Decoder(target, drafter2 if d == "dflash2" else drafter, capacity, K, sampling=sampling)
+                t0 = time.perf_counter()
+                graph = draft_graph(at_t, prompt)
+                conditions["compile_and_capture_s"][row.strip()] = round(time.perf_counter() - t0, 1)
+                add_graph(row, at_t, "draft", draft2_bytes if d == "dflash2" else draft_bytes, graph)
+                at_t.close()
+    if dec is not None and dec.graphs:
         if args.profile:
             print("DFlash step:", end=" ")
             profile = profile_step(dec)

@@ -408,7 +408,7 @@ def read_drafts(drafter: Drafter, hidden, target, anchor, sampling, uniforms):
     if sampling.temperature == 0 or sampling.drafts == "argmax":
         return logits.argmax(-1), None                                                  # (N,)
     q = target_probs(logits, sampling)                                                  # (N, V)
-    return torch.stack([sample(q[i], uniforms[i]) for i in range(len(q))]), q
+    return sample(q, uniforms[:len(q)]), q                                              # one draw a row
 
 
 def propose(drafter: Drafter, ctx: DraftContext, block, target, count: int, sampling, uniforms):
@@ -456,9 +456,9 @@ def residual(p, q):
 
 
 def sample(dist, u):
-    """Inverse-CDF draw from a distribution (V,) that need not sum to 1, with a uniform u in [0, 1)."""
-    cdf = dist.cumsum(-1)                                                                             # (V,)
-    return torch.searchsorted(cdf, (u * cdf[-1])[None], right=True)[0].clamp(max=len(dist) - 1)
+    """Inverse-CDF draws from distributions (..., V) that need not sum to 1, a uniform in [0, 1) each: u (...)."""
+    cdf = dist.cumsum(-1)                                                                             # (..., V)
+    return torch.searchsorted(cdf, u[..., None] * cdf[..., -1:], right=True)[..., 0].clamp(max=dist.shape[-1] - 1)
 
 
 def verify(drafts, logits, sampling: Sampling, uniforms, draft_probs=None) -> tuple[int, int]:

@@ -32,8 +32,12 @@ names. Every difference from dflash.py:
     target whose step cannot be traced as one graph or captured (an MoE routed on the host) runs the
     same step eagerly with the same buffers, and a message says so;
   - one host read per step, the accepted tokens; sampling's uniforms are drawn outside the graphs, and the
-    drafts' distribution q, where drafts are drawn (DFlash2 at T > 0), waits in a static buffer for verify.
-A DFlash2 drafter's convolutions and candidate walk run as dflash.py's own modules inside the draft part.
+    drafts' distribution q, where drafts are drawn (at T > 0 DFlash2's, or DFlash's with drafts "sampled"),
+    waits in a static buffer for verify;
+  - draws and DFlash2's walk by triton_ops.py, Triton kernels on CUDA and dflash.py's own functions
+    elsewhere: inverse-CDF draws of every row at once (`sample`); the candidates (`topk`), every row's
+    scores given each candidate before it, then the picks (`candidate_walk`). DFlash2's convolutions run
+    as dflash.py's own modules inside the draft part.
 On CPU the same code runs eagerly, without graphs, so the reference-equality tests run anywhere.
 
     $ python fastpath.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --prompt "Hi"
@@ -58,7 +62,7 @@ from torch import nn
 
 import dflash
 from dflash import Drafter, Generation, Sampling, rope
-from triton_ops import attend_upto, heads_into_place
+from triton_ops import attend_upto, candidate_walk, heads_into_place, sample
 
 
 # -----------------------------------------------------------------------------
@@ -354,10 +358,24 @@ def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
     return drafter.module.norm(x)                                                       # (W, H)
 
 
+def read_drafts(drafter: Drafter, hidden, target, anchor, sampling: Sampling, uniforms):
+    """dflash.read_drafts with triton_ops' `candidate_walk` and `sample`, Triton kernels on CUDA: a DFlash2
+    drafter's walk, or a DFlash drafter's drafts drawn from its p, all rows at once."""
+    logits = drafter.draft_logits(hidden, target.get_output_embeddings())              # (N, V)
+    if drafter.candidate_selector is not None:
+        drafts, candidates, q = candidate_walk(drafter.candidate_selector, hidden, logits, anchor,
+                                               sampling.temperature, uniforms)
+        return drafts, None if q is None else torch.zeros_like(logits, dtype=q.dtype).scatter(-1, candidates, q)
+    if sampling.temperature == 0 or sampling.drafts == "argmax":
+        return logits.argmax(-1), None                                                  # (N,)
+    q = dflash.target_probs(logits, sampling)                                           # (N, V)
+    return sample(q, uniforms[:len(q)]), q
+
+
 def propose(drafter: FusedDrafter, buf: Buffers, block, target, count: int, sampling: Sampling, uniforms):
     """dflash.propose over the static context: drafts (count,) and their q (count, V) or None."""
     hidden = draft_block(drafter, buf, dflash.embed_block(drafter.module, block, target))   # (W, H)
-    return dflash.read_drafts(drafter.module, hidden[1:1 + count], target, block[0], sampling, uniforms)
+    return read_drafts(drafter.module, hidden[1:1 + count], target, block[0], sampling, uniforms)
 
 
 # -----------------------------------------------------------------------------
@@ -383,7 +401,7 @@ def verify(drafts, logits, sampling: Sampling, uniforms, max_accept, draft_probs
     row = probs.index_select(0, accepted[None])[0]                                        # (V,) p_a
     q_row = torch.cat([draft_probs, draft_probs.new_zeros(1, probs.shape[-1])]).index_select(0, accepted[None])[0]   # (V,) q_{a+1}
     dist = torch.where(run < max_accept, dflash.residual(row, q_row.to(row.dtype)), row)   # a draft was rejected
-    return accepted, dflash.sample(dist, uniforms[-1])
+    return accepted, sample(dist, uniforms[-1])
 
 
 # -----------------------------------------------------------------------------

@@ -8,12 +8,17 @@ never the math: fp32 inside, results rounded to the working dtype as the plain f
   - `heads_into_place`: a dense target layer's [q; k; v] rows into rotated q and its K/V slots
     (fastpath's `DenseTarget`, distill's `BatchDecoder`);
   - `attend_upto`: attention by buffer slot, each query seeing one range of slots (fastpath, BatchDecoder);
+  - `sample`: inverse-CDF draws, a token per row (fastpath's drawn drafts and verify at T > 0);
+  - `topk`: the k largest of each row, largest first (DFlash2's candidates);
+  - `candidate_walk`: DFlash2's candidate selector walking a block's drafts (fastpath's draft part);
   - `head_chunk_grad`: the cross-entropy through the frozen LM head and its gradient, a chunk of rows at a
     time (train.py).
 
 Shapes: Bt sequences, N rows, h/hk query/key heads, d head_dim, C or S buffer slots, V vocab.
 """
 import torch
+
+import dflash
 
 try:   # CUDA builds of torch ship Triton; without it (CPU installs) every function runs its plain-torch twin
     import triton
@@ -275,6 +280,230 @@ def triton_attend_upto(q, keys, values, last, scale: float, first=None):
         opart, mpart, lpart, out, out.stride(0), out.stride(1), out.stride(2), N, d,
         SPLITS=splits, HK=hk, G=G, D=D, BLOCK_M=BLOCK_M)
     return out.view(Bt, N, h * d)
+
+
+# -----------------------------------------------------------------------------
+# Inverse-CDF draws: a token per row of a distribution over the vocabulary
+
+def sample(dist, u):
+    """dflash.sample: a draw per row of dist (..., V), which need not sum to 1, by the inverse CDF of its
+    uniform u (...) in [0, 1). On CUDA two Triton kernels (`triton_sample`), where the compiled cumulative
+    sum and search are a scan, its workspace's fill and a search, and where one call per row costs that per
+    row; elsewhere, and for float64, dflash.sample: the twin."""
+    if dist.is_cuda and triton is not None and dist.dtype != torch.float64:
+        return triton_sample(dist, u)
+    return dflash.sample(dist, u)
+
+
+if triton is not None:
+    @triton.jit
+    def _chunk_sums(Dist, Sums, V, sdn, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+        """Σ of chunk c of row n of dist, in fp32, into Sums[n, c] (a row of CHUNKS, zeros past the last chunk)."""
+        n, c = tl.program_id(0), tl.program_id(1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(Dist + n * sdn + cols, mask=cols < V, other=0.0).to(tl.float32)
+        tl.store(Sums + n * CHUNKS + c, tl.sum(x, 0))
+
+    @triton.jit
+    def _draw(Dist, Sums, U, Out, V, sdn, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+        """Row n's draw: v = u · total, the chunk whose running sum first passes v, then within it the first
+        token whose running sum passes v (searchsorted(right=True), compared in float64, as torch compares a
+        float32 CDF with the float64 value), at most V − 1."""
+        n = tl.program_id(0)
+        cs = tl.arange(0, CHUNKS)
+        sums = tl.load(Sums + n * CHUNKS + cs)                                          # (CHUNKS,), 0 past V
+        ends = tl.cumsum(sums, 0)                                                       # each chunk's running sum
+        value = tl.load(U + n).to(tl.float64) * tl.max(ends, 0).to(tl.float64)
+        chunk = tl.minimum(tl.sum((ends.to(tl.float64) <= value).to(tl.int32), 0), CHUNKS - 1)
+        before = tl.sum(tl.where(cs == chunk - 1, ends, 0.0), 0)                       # 0 before the first
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(Dist + n * sdn + cols, mask=cols < V, other=0.0).to(tl.float32)
+        cdf = before + tl.cumsum(x, 0)                                                  # (CHUNK,)
+        passed = tl.sum(((cdf.to(tl.float64) <= value) & (cols < V)).to(tl.int32), 0)
+        tl.store(Out + n, tl.minimum(chunk * CHUNK + passed, V - 1).to(tl.int64))
+
+
+SAMPLE_CHUNK = 2048   # vocabulary entries a program sums: 75 programs a row at Qwen3's 151,936
+
+
+def triton_sample(dist, u):
+    """`sample` as two Triton kernels: every chunk of every row summed at once (a program each), then per row
+    the chunk the draw falls in and the token within it. The running sums are chunk sums and in-chunk scans,
+    so they round in another order than a sequential cumsum (as the compiled scan does)."""
+    *batch, V = dist.shape
+    dist2, u1 = dist.reshape(-1, V), u.reshape(-1)
+    dist2 = dist2 if dist2.stride(-1) == 1 else dist2.contiguous()
+    N, chunks = dist2.shape[0], triton.cdiv(V, SAMPLE_CHUNK)
+    CHUNKS = triton.next_power_of_2(chunks)
+    sums = torch.zeros(N, CHUNKS, dtype=torch.float32, device=dist.device)            # (N, CHUNKS)
+    out = torch.empty(N, dtype=torch.long, device=dist.device)                         # (N,)
+    _chunk_sums[(N, chunks)](dist2, sums, V, dist2.stride(0), CHUNKS=CHUNKS, CHUNK=SAMPLE_CHUNK, num_warps=4)
+    _draw[(N,)](dist2, sums, u1, out, V, dist2.stride(0), CHUNKS=CHUNKS, CHUNK=SAMPLE_CHUNK, num_warps=4)
+    return out.view(batch)
+
+
+# -----------------------------------------------------------------------------
+# The k largest of each row, largest first
+
+if triton is not None:
+    @triton.jit
+    def _sort_keys(x, cols):
+        """fp32 values and their columns -> int64 keys in the values' order, and among equal values the
+        lower column higher: the value's bits (negatives' magnitude flipped) over 0x7FFFFFFF − column."""
+        bits = x.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+
+    @triton.jit
+    def _topk_chunks(X, Keys, V, sxn, K: tl.constexpr, CHUNK: tl.constexpr):
+        """The K largest of chunk c of row n, as sort keys, largest first, into Keys[n, c, :]."""
+        n, c = tl.program_id(0), tl.program_id(1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(X + n * sxn + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        lowest = -9223372036854775807                                                   # below every key
+        keys = tl.where(cols < V, _sort_keys(x, cols), lowest)
+        out = Keys + (n * tl.num_programs(1) + c) * K
+        for i in tl.static_range(K):
+            best = tl.max(keys, 0)
+            tl.store(out + i, best)
+            keys = tl.where(keys == best, lowest, keys)
+
+    @triton.jit
+    def _topk_merge(Keys, Values, Indices, count, svn, sin, K: tl.constexpr, COUNT: tl.constexpr):
+        """Row n's K largest among its chunks' keys, largest first: values (in Values' dtype) and columns."""
+        n = tl.program_id(0)
+        js = tl.arange(0, COUNT)
+        lowest = -9223372036854775807
+        keys = tl.load(Keys + n * count + js, mask=js < count, other=lowest)
+        for i in tl.static_range(K):
+            best = tl.max(keys, 0)
+            keys = tl.where(keys == best, lowest, keys)
+            ordered = (best >> 32).to(tl.int32)
+            bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+            tl.store(Values + n * svn + i, bits.to(tl.float32, bitcast=True).to(Values.dtype.element_ty))
+            tl.store(Indices + n * sin + i, (0x7FFFFFFF - (best & 0x7FFFFFFF)).to(tl.int64))
+
+
+TOPK_CHUNK = 2048   # columns a program takes the top k of
+
+
+def topk(x, k: int):
+    """x.topk(k, dim=-1) of rows x (N, V): values and columns, largest first. On CUDA two Triton kernels
+    (`triton_topk`), where torch's radix select is about a dozen; elsewhere, for float64 and for k past a
+    chunk, torch.topk: the twin. Equal values come lowest column first, where torch leaves their order open."""
+    if x.is_cuda and triton is not None and x.dtype != torch.float64 and x.dim() == 2 and k <= min(TOPK_CHUNK,
+                                                                                                   x.shape[-1]):
+        return triton_topk(x, k)
+    return x.topk(k, dim=-1)
+
+
+def triton_topk(x, k: int):
+    """`topk` as two Triton kernels: the k largest of every chunk of every row (a program each, k rounds of
+    a max over one int64 sort key per column), then per row the k largest of its chunks' keys."""
+    (N, V), chunks = x.shape, triton.cdiv(x.shape[1], TOPK_CHUNK)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    keys = torch.empty(N, chunks, k, dtype=torch.int64, device=x.device)               # (N, chunks, k)
+    values = torch.empty(N, k, dtype=x.dtype, device=x.device)                          # (N, k)
+    indices = torch.empty(N, k, dtype=torch.long, device=x.device)
+    _topk_chunks[(N, chunks)](x, keys, V, x.stride(0), K=k, CHUNK=TOPK_CHUNK, num_warps=4)
+    _topk_merge[(N,)](keys, values, indices, chunks * k, values.stride(0), indices.stride(0), K=k,
+                      COUNT=triton.next_power_of_2(chunks * k), num_warps=4)
+    return values, indices
+
+
+# -----------------------------------------------------------------------------
+# DFlash2's candidate walk: every row's scores at once, then the picks
+
+def candidate_walk(selector, hidden, logits, anchor, temperature: float, uniforms):
+    """DFlash2's walk (`dflash.CandidateSelector`): final-normed draft rows hidden (N, H), their logits (N, V),
+    the anchor id (0-dim), a uniform per row for T > 0 -> drafts (N,), candidates (N, k), and q (N, k) each
+    draft was drawn from (None at T = 0). On CUDA four Triton kernels and the projection (`triton_candidate_walk`),
+    where the selector's own forward runs about forty; elsewhere, and for float64, that forward: the twin."""
+    if hidden.is_cuda and triton is not None and hidden.dtype != torch.float64:
+        return triton_candidate_walk(selector, hidden, logits, anchor, temperature, uniforms)
+    return selector(hidden, logits, anchor, temperature, uniforms)
+
+
+if triton is not None:
+    @triton.jit
+    def _selector_scores(Cand, Unary, U, A, B, Anchor, Scores, k, r, scn, sun, suu, sav, sbv, KP: tl.constexpr,
+                         RP: tl.constexpr, IEEE: tl.constexpr):
+        """Row t's scores for each token the walk can have picked before it (row t−1's candidates; the anchor
+        at t = 0) and each of its own candidates: Scores[t, i, j] = logit_j + Σ_r (A[prev_i, r]·u_t[r])·B[c_j, r],
+        the product, the sum and the score each rounded to the working dtype, as the selector rounds them."""
+        t = tl.program_id(0)
+        ks, rs = tl.arange(0, KP), tl.arange(0, RP)
+        k_ok, r_ok = ks < k, rs < r
+        dtype = A.dtype.element_ty
+        prev = tl.load(Cand + tl.maximum(t - 1, 0) * scn + ks, mask=k_ok, other=0)     # (KP,)
+        prev = tl.where(t > 0, prev, tl.load(Anchor))
+        cand = tl.load(Cand + t * scn + ks, mask=k_ok, other=0)                         # (KP,)
+        both = k_ok[:, None] & r_ok[None, :]
+        a = tl.load(A + prev[:, None] * sav + rs[None, :], mask=both, other=0.0)        # (KP, RP)
+        u = tl.load(U + t * suu + rs, mask=r_ok, other=0.0)                             # (RP,)
+        a = (a.to(tl.float32) * u.to(tl.float32)[None, :]).to(dtype)
+        b = tl.load(B + cand[:, None] * sbv + rs[None, :], mask=both, other=0.0)        # (KP, RP)
+        if IEEE:
+            pairs = tl.dot(a, tl.trans(b), input_precision="ieee")                      # (KP, KP) fp32
+        else:
+            pairs = tl.dot(a, tl.trans(b))
+        unary = tl.load(Unary + t * sun + ks, mask=k_ok, other=float("-inf")).to(tl.float32)   # -inf past k
+        scores = (unary[None, :] + pairs.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(Scores + t * KP * KP + ks[:, None] * KP + ks[None, :], scores)
+
+    @triton.jit
+    def _selector_walk(Scores, Cand, Uniforms, Drafts, Q, N, k, temperature, scn, sqn,
+                       NP: tl.constexpr, KP: tl.constexpr, SAMPLED: tl.constexpr):
+        """The walk, one program: every row's score tables held in registers, then row by row the scores
+        given the previous pick and the pick: the argmax (the first of equals, as torch's), or at T > 0 the
+        inverse-CDF draw from q = softmax(scores / T) with the row's float64 uniform, q written out."""
+        rows, js = tl.arange(0, NP * KP), tl.arange(0, KP)                              # rows: t·KP + previous pick
+        table = tl.load(Scores + rows[:, None] * KP + js[None, :], mask=(rows < N * KP)[:, None],
+                        other=float("-inf"))                                            # (NP·KP, KP)
+        pick = tl.zeros([], tl.int32)   # at t = 0 every row of the table is the anchor's
+        for t in range(N):
+            scores = tl.max(tl.where(rows[:, None] == t * KP + pick, table, float("-inf")), 0)   # (KP,)
+            if SAMPLED:
+                x = scores / temperature
+                e = tl.exp(x - tl.max(x, 0))
+                q = e / tl.sum(e, 0)
+                cdf = tl.cumsum(q, 0)
+                value = tl.load(Uniforms + t) * tl.sum(tl.where(js == k - 1, cdf, 0.0), 0).to(tl.float64)
+                below = (cdf.to(tl.float64) <= value) & (js < k)   # searchsorted(right=True), compared in float64
+                pick = tl.minimum(tl.sum(below.to(tl.int32), 0), k - 1)
+                tl.store(Q + t * sqn + js, q, mask=js < k)
+            else:
+                pick = tl.argmax(scores, 0, tie_break_left=True).to(tl.int32)
+            tl.store(Drafts + t, tl.load(Cand + t * scn + pick))
+
+
+def triton_candidate_walk(selector, hidden, logits, anchor, temperature: float, uniforms):
+    """`candidate_walk` as four Triton kernels and the hidden projection: the candidates (`triton_topk`),
+    every row's (k, k) score table at once (a program per row), then the walk over the tables (one program),
+    which reads no memory between its picks. Row t−1's candidates are the only tokens the walk can have
+    picked before row t, so the tables hold every score the selector's forward computes."""
+    unary, candidates = triton_topk(logits, selector.top_k) if selector.top_k <= TOPK_CHUNK else \
+        logits.topk(selector.top_k, dim=-1)                                             # (N, k)
+    u = selector.hidden_projection(hidden)                                              # (N, r)
+    A, B = selector.predecessor_codebook, selector.successor_codebook                   # (V, r)
+    if A.stride(-1) != 1 or B.stride(-1) != 1:
+        raise ValueError(f"triton_candidate_walk: codebooks must be contiguous along the rank (strides "
+                         f"{A.stride(-1)}, {B.stride(-1)})")
+    u, unary = (t if t.stride(-1) == 1 else t.contiguous() for t in (u, unary))
+    (N, k), r, device = candidates.shape, u.shape[-1], hidden.device
+    KP, RP = max(16, triton.next_power_of_2(k)), max(16, triton.next_power_of_2(r))   # tl.dot's least sizes
+    scores = torch.empty(N, KP, KP, dtype=torch.float32, device=device)                # (N, KP, KP)
+    _selector_scores[(N,)](candidates, unary, u, A, B, anchor.reshape(1), scores, k, r, candidates.stride(0),
+                           unary.stride(0), u.stride(0), A.stride(0), B.stride(0), KP=KP, RP=RP,
+                           IEEE=u.dtype == torch.float32, num_warps=4)
+    drafts = torch.empty(N, dtype=torch.long, device=device)                           # (N,)
+    sampled = temperature > 0
+    q = torch.empty(N, k, dtype=torch.promote_types(u.dtype, torch.float32), device=device) if sampled else None
+    _selector_walk[(1,)](scores, candidates, uniforms if sampled else drafts, drafts, q if sampled else drafts,
+                         N, k, float(temperature) if sampled else 1.0, candidates.stride(0),
+                         k if q is None else q.stride(0), NP=triton.next_power_of_2(N), KP=KP, SAMPLED=sampled,
+                         num_warps=1)
+    return drafts, candidates, q
 
 
 # -----------------------------------------------------------------------------

@@ -375,7 +375,7 @@ BAD_FLAGS = {
                                                 "--prompt-len + --new-tokens = 4050 (at least 64 for the HF rows) "
                                                 "leaves no room for a block in the target's 4096 positions"),
     "bench --skip misspelt": ("bench.py", ["--skip", "fast, dflash_ref"], "--skip: ['dflash_ref'] are not rows; "
-                              "use fast, dflash2, layers, dflash-ref, hf-eager, hf-static-compile"),
+                              "use fast, fast-ar, steps, dflash2, sampled, layers, dflash-ref, hf-eager, hf-static-compile"),
     "bench --out in a missing dir": ("bench.py", ["--out", "{tmp}/nowhere/b.json"],
                                      "--out {tmp}/nowhere/b.json: its directory does not exist"),
     "bench_train --steps 0": ("bench_train.py", ["--steps", "0"], "--steps = 0 must be at least 1"),

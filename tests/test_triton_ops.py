@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dflash
 import fastpath
 import loss
 import triton_ops
@@ -224,6 +225,235 @@ def test_attend_upto_kernel_on_cuda():
     for key, error in errors.items():
         dtype = next(t for t in KERNEL_TOLERANCE if str(t) == key.split()[-1])
         assert error < KERNEL_TOLERANCE[dtype], (key, error)
+
+
+SAMPLE_CASES = [(15, 5000), (1, 96), (3, 2048), (4, 4097)]   # (rows, V): chunks cut short, one chunk, exact chunks
+
+
+def sample_mismatches(device: str, dtypes) -> dict:
+    """triton_sample against its twin dflash.sample (per row and batched), on peaked random distributions that need
+    not sum to 1, some rows zero past half: per case the draws that differ by more than a token (where a uniform
+    falls on a boundary the two running sums' rounding may part them by one) and by any."""
+    g, out = torch.Generator().manual_seed(0), {}
+    for N, V in SAMPLE_CASES:
+        for dtype in dtypes:
+            dist = (torch.rand(N, V, generator=g) ** 8 * 3).to(dtype)
+            dist[:, V // 2:] *= torch.rand(N, 1, generator=g) < 0.5                    # some rows zero past half
+            u = torch.rand(N, dtype=torch.float64, generator=g)
+            got = triton_ops.triton_sample(dist.to(device), u.to(device)).cpu()
+            want = dflash.sample(dist, u)
+            one = torch.stack([dflash.sample(dist[i], u[i]) for i in range(N)])
+            out[f"{N}x{V} {dtype}"] = {"far": int(((got - want).abs() > 1).sum()), "any": int((got != want).sum()),
+                                       "batched_is_per_row": torch.equal(want, one), "shape": list(got.shape)}
+    got = triton_ops.triton_sample(dist[0].to(device), u[0].to(device)).cpu()          # one distribution (V,)
+    out["one row"] = {"far": int(abs(int(got) - int(dflash.sample(dist[0], u[0]))) > 1), "any": 0,
+                      "batched_is_per_row": True, "shape": list(got.shape)}
+    return out
+
+
+def check_sample(runs: dict):
+    """No draw more than a token from the twin's, at most one in 20 a neighbour (rounding at a boundary), the
+    twin's batched draws its per-row ones, and one draw per row (none for one distribution)."""
+    assert runs
+    for key, run in runs.items():
+        assert run["far"] == 0 and run["batched_is_per_row"], (key, run)
+        assert run["shape"] == ([] if key == "one row" else [int(key.split("x")[0])]), (key, run)
+    assert sum(r["any"] for r in runs.values()) <= max(1, sum(r["shape"][0] for r in runs.values() if r["shape"]) // 20)
+
+
+def test_sample_kernels_under_the_triton_interpreter():
+    """Inverse-CDF draws as two kernels (every chunk's sum, then the chunk and the token), run by Triton's CPU
+    interpreter in fp32 (fastpath's distributions are at least fp32), draw what dflash.sample draws (`check_sample`)."""
+    runs = under_the_triton_interpreter("sample_mismatches('cpu', [torch.float32])")
+    assert len(runs) == len(SAMPLE_CASES) + 1
+    check_sample(runs)
+
+
+def test_batched_sample_draws_what_one_row_at_a_time_draws():
+    """dflash.sample over (..., V) with a uniform per row draws, on CPU, exactly what it draws row by row (the
+    cumsum is sequential either way), in float32 and float64, and a (V,) distribution with a 0-dim uniform
+    draws one 0-dim token."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float64):
+        dist = torch.rand(2, 6, 300, generator=g, dtype=dtype) ** 6
+        u = torch.rand(2, 6, generator=g, dtype=torch.float64)
+        got = dflash.sample(dist, u)
+        assert got.shape == (2, 6)
+        assert all(int(got[i, j]) == int(dflash.sample(dist[i, j], u[i, j])) for i in range(2) for j in range(6))
+        cdf = dist[0, 0].double().cumsum(0)
+        assert int(dflash.sample(dist[0, 0], u[0, 0])) == int((cdf <= u[0, 0] * cdf[-1]).sum())
+    assert dflash.sample(dist[0, 0], u[0, 0]).shape == ()
+
+
+TOPK_CASES = [(15, 5000, 16), (3, 96, 4), (2, 4096, 16), (1, 300, 5)]   # (rows, V, k)
+
+
+def topk_mismatches(device: str, dtypes) -> dict:
+    """triton_topk against torch.topk (its twin), on random rows with k planted largest values (no two equal) and
+    on rows of few distinct values (many equal): values equal, each index's value its value, indices distinct, and on the
+    rows without ties the indices equal too."""
+    g, out = torch.Generator().manual_seed(0), {}
+    for N, V, k in TOPK_CASES:
+        for dtype in dtypes:
+            for kind in ("distinct", "ties"):
+                if kind == "distinct":   # below 0.5 but k planted values 1 + i/16, exact in every dtype
+                    x = torch.rand(N, V, generator=g) - 0.5
+                    x.scatter_(1, torch.rand(N, V, generator=g).argsort(-1)[:, :k], 1 + torch.randperm(k, generator=g)
+                               .float().expand(N, k) / 16)
+                else:
+                    x = torch.randint(-3, 4, (N, V), generator=g).float()
+                x = x.to(dtype)
+                values, indices = triton_ops.triton_topk(x.to(device), k)
+                values, indices = values.cpu(), indices.cpu()
+                want, want_indices = x.topk(k, dim=-1)
+                out[f"{N}x{V} k{k} {dtype} {kind}"] = {
+                    "values": torch.equal(values, want), "dtype": values.dtype == dtype,
+                    "gathered": torch.equal(x.gather(-1, indices), values),
+                    "distinct": all(len(set(row.tolist())) == k for row in indices),
+                    "indices": kind == "ties" or torch.equal(indices, want_indices),
+                    "lowest_first": kind == "distinct" or all(
+                        row[i] < row[i + 1] for vals, row in zip(values, indices) for i in range(k - 1)
+                        if vals[i] == vals[i + 1])}
+    return out
+
+
+def check_topk(runs: dict):
+    assert runs
+    for key, run in runs.items():
+        assert all(run.values()), (key, run)
+
+
+def test_topk_kernels_under_the_triton_interpreter():
+    """The k largest of each row as two kernels (every chunk's k largest, then theirs), run by Triton's CPU
+    interpreter in fp32 and fp16: torch.topk's values, largest first, and its indices where no two values are
+    equal; among equal values the lowest index first (`check_topk`)."""
+    runs = under_the_triton_interpreter("topk_mismatches('cpu', [torch.float32, torch.float16])")
+    assert len(runs) == 2 * 2 * len(TOPK_CASES)
+    check_topk(runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sample_and_topk_kernels_on_cuda():
+    """The same on the GPU: the draws in fp32, the k largest in fp32, fp16 and bf16."""
+    runs = sample_mismatches("cuda", [torch.float32])
+    print(runs)
+    check_sample(runs)
+    runs = topk_mismatches("cuda", [torch.float32, torch.float16, torch.bfloat16])
+    print(runs)
+    check_topk(runs)
+
+
+WALK_CASES = [   # (N rows, k candidates, r rank, V): the bench's DFlash2 selector (a smaller vocabulary), the
+    (15, 16, 256, 4096), (5, 4, 8, 96), (7, 5, 24, 300)]   # tiny drafters' sizes, and sizes of no power of 2
+
+
+def walk_mismatches(device: str, dtypes) -> dict:
+    """triton_candidate_walk against its twin, the selector's own forward, in the same dtype, greedy and at T 0.7,
+    on random rows, logits (the largest 2k of them distinct in every dtype) and codebooks (pair terms as large as
+    the logits' spread, so the picks follow the walk): per case the drafts that differ, whether the candidates
+    are the same set, the largest difference of q over the vocabulary, and the kernel's walk re-scored in
+    float64 (`walk_margins`)."""
+    g, out = torch.Generator().manual_seed(0), {}
+    for N, k, r, V in WALK_CASES:
+        H = 64
+        torch.manual_seed(0)
+        selector = dflash.CandidateSelector(types.SimpleNamespace(selector_top_k=k, hidden_size=H, selector_rank=r,
+                                                                  vocab_size=V)).requires_grad_(False)
+        for p in (selector.predecessor_codebook, selector.successor_codebook):
+            p.copy_(torch.randn(V, r, generator=g) * (1.5 / r ** 0.25))
+        hidden, logits = torch.randn(N, H, generator=g), (3 * torch.randn(N, V, generator=g)).clamp(max=7)
+        top = torch.rand(N, V, generator=g).argsort(-1)[:, :2 * k]                     # 2k planted largest logits,
+        logits.scatter_(1, top, 8 + torch.randperm(2 * k, generator=g).float().expand(N, 2 * k) / 8)   # no 2 equal
+        uniforms = torch.rand(N, dtype=torch.float64, generator=g).to(device)
+        anchor = torch.tensor(int(torch.randint(V, (), generator=g)), device=device)
+        for dtype in dtypes:
+            sel = selector.to(device, dtype)
+            args = (hidden.to(device, dtype), logits.to(device, dtype), anchor)
+            for temperature in (0.0, 0.7):
+                drafts, candidates, q = triton_ops.triton_candidate_walk(sel, *args, temperature, uniforms)
+                want, want_candidates, want_q = sel(*args, temperature, uniforms)
+                out[f"{N}x{k}x{r}x{V} T{temperature} {dtype}"] = {   # candidates as sets: equal logits in any order
+                    "drafts_differ": int((drafts != want).sum()),
+                    "candidates": torch.equal(candidates.sort(-1).values, want_candidates.sort(-1).values),
+                    "q": 0.0 if q is None else (over_vocabulary(q, candidates, V) -
+                                                over_vocabulary(want_q, want_candidates, V)).abs().max().item(),
+                    "q_none": (q is None) == (want_q is None),
+                    **walk_margins(sel, *args, temperature, uniforms, drafts, candidates, q)}
+    return out
+
+
+def over_vocabulary(q, candidates, vocab: int):
+    """q (N, k) over its candidates (N, k) -> (N, vocab), as read_drafts scatters it."""
+    return torch.zeros(len(q), vocab, dtype=q.dtype, device=q.device).scatter(-1, candidates, q)
+
+
+def walk_margins(selector, hidden, logits, anchor, temperature, uniforms, drafts, candidates, q) -> dict:
+    """The kernel's walk re-scored in float64 from the same inputs, each row given the kernel's own previous
+    draft: whether every draft is one of its row's candidates; at T = 0 the largest shortfall of a draft's
+    score under its row's best; at T > 0 the largest difference of q from softmax(scores / T), and whether each
+    draft is the inverse-CDF draw of the kernel's own q (or its neighbour, where a uniform sits on a boundary)."""
+    f = lambda t: t.double().cpu()
+    A, B, P = f(selector.predecessor_codebook), f(selector.successor_codebook), f(selector.hidden_projection.weight)
+    c, drafts, uniforms = candidates.cpu(), drafts.cpu(), uniforms.cpu()
+    unary, u = f(logits).gather(-1, c), f(hidden) @ P.T                                 # (N, k), (N, r)
+    previous, shortfall, q_error, drawn, member = int(anchor), 0.0, 0.0, True, True
+    for t in range(len(c)):
+        scores = unary[t] + B[c[t]] @ (A[previous] * u[t])                               # (k,)
+        at = (c[t] == drafts[t]).nonzero()
+        member &= len(at) == 1
+        pick = int(at[0]) if len(at) else 0
+        if temperature == 0:
+            shortfall = max(shortfall, float(scores.max() - scores[pick]))
+        else:
+            q_error = max(q_error, float((f(q[t]) - (scores / temperature).softmax(0)).abs().max()))
+            cdf = f(q[t]).cumsum(0)
+            drawn &= abs(min(int((cdf <= uniforms[t] * cdf[-1]).sum()), len(cdf) - 1) - pick) <= 1
+        previous = int(drafts[t])
+    return {"member": member, "shortfall": shortfall, "q_error": q_error, "drawn": drawn}
+
+
+WALK_TOLERANCE = {"float32": 1e-4, "float16": 0.02, "bfloat16": 0.125}   # a score's rounding at the logits' 8-12
+
+
+def check_walk(runs: dict):
+    """Every draft one of its row's candidates, the candidates the twin's; re-scored in float64, each greedy draft
+    its row's best within the score's rounding in the dtype, each drawn one the draw of a q within that
+    rounding of the exact softmax (its exponent's /T scale at 0.7). In fp32 also every draft the twin's and q
+    the twin's within 1e-5; in fp16 and bf16 the twin's walk may part where two scores round to a tie."""
+    assert runs
+    for key, run in runs.items():
+        tolerance = WALK_TOLERANCE[key.split(".")[-1]]
+        assert run["member"] and run["candidates"] and run["q_none"] and run["drawn"], (key, run)
+        assert run["shortfall"] <= tolerance and run["q_error"] <= 1e-5 + tolerance / 2, (key, run)
+        if key.endswith("float32"):
+            assert run["drafts_differ"] == 0 and run["q"] < 1e-5, (key, run)
+
+
+def test_candidate_walk_kernels_under_the_triton_interpreter():
+    """DFlash2's walk as four kernels (the candidates, every row's scores, then the picks), run by Triton's CPU interpreter in
+    fp32 and fp16, drafts what the selector's own forward drafts, greedy and drawn (`check_walk`)."""
+    runs = under_the_triton_interpreter("walk_mismatches('cpu', [torch.float32, torch.float16])")
+    assert len(runs) == 2 * 2 * len(WALK_CASES)
+    check_walk(runs)
+
+
+def test_candidate_walk_is_the_selector_off_cuda():
+    """Off CUDA (and in float64) candidate_walk is the selector's own forward, which the conformance kit records."""
+    sentinel = object()
+    selector = mock.Mock(return_value=sentinel)
+    assert triton_ops.candidate_walk(selector, torch.zeros(2, 4), torch.zeros(2, 8), torch.tensor(1), 0.0, None) \
+        is sentinel
+    selector.assert_called_once()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_candidate_walk_kernels_on_cuda():
+    """The same on the GPU, in fp32, fp16 and bf16."""
+    runs = walk_mismatches("cuda", [torch.float32, torch.float16, torch.bfloat16])
+    print(runs)
+    check_walk(runs)
 
 
 def head_kernel_errors(device, dtypes, cases=((37, 1000), (5, 4096)), block=256):
