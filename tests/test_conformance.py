@@ -507,10 +507,11 @@ def test_a_graphed_dump_needs_a_greedy_case_and_cuda(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphed_fastpath_drafts_what_the_kit_drafts_round_by_round_on_cuda():
     """fastpath.py through its compiled, captured graphs (float32, CUDA) drafts every greedy case's drafts
-    round by round, with its acceptance lengths and tokens: the kit's graphed-against-eager comparison."""
+    round by round, with its acceptance lengths and tokens: the kit's graphed-against-eager comparison. (The
+    Laguna case's MoE target routes on the host, so its step runs eagerly and is not graphed.)"""
     for name in conformance.CASES:
         spec = json.loads((conformance.KIT / name / "case.json").read_text())
-        if spec["request"]["temperature"] > 0:
+        if spec["request"]["temperature"] > 0 or conformance.CASES[name]["target"] == "laguna":
             continue
         dump = conformance.record_graphed(conformance.KIT / name, spec["request"])
         result = conformance.check(conformance.KIT / name, dump, diagnose=False)
