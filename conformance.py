@@ -760,14 +760,12 @@ MISTAKES = {
 def known_mistakes(case_dir: Path, request: dict, key: str, got, tolerance: float) -> tuple[list, list]:
     """Replay the case with each known mistake at key's stage, up to key -> (the mistakes whose value there
     equals got within tolerance, every mistake replayed)."""
-    found, tried = [], []
-    for mistake, (applies, make) in MISTAKES[key.rsplit(".", 1)[0]].items():
+    known, probe = MISTAKES[key.rsplit(".", 1)[0]], load_case(case_dir)[1]
+    found, tried = [], [mistake for mistake, (applies, _) in known.items() if applies(probe)]
+    for mistake in tried:   # each on a fresh pair: a mistake changes the drafter it is made on
         target, drafter, _ = load_case(case_dir)
-        if not applies(drafter):
-            continue
-        tried.append(mistake)
         with ExitStack() as patches:
-            for patch in make(drafter):
+            for patch in known[mistake][1](drafter):
                 patches.enter_context(patch)
             try:
                 record_reference(target, drafter, request, stop_at=key)

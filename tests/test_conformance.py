@@ -1,6 +1,7 @@
 """conformance.py: golden stage values for porters, and a checker that names the stage a port breaks."""
 import json
 import re
+from contextlib import ExitStack
 from unittest import mock
 
 import pytest
@@ -119,20 +120,15 @@ def test_fastpath_passes_every_conformance_case(name):
     assert result["first"] is None and set(result["results"].values()) == {"ok"}, conformance.report(result)
 
 
-def bonus_too_early(target, drafter, request):
-    """A port that appends one row too many after each verify: the hidden state at the bonus's position."""
-    real_forward, real_project, last = dflash.target_forward, dflash.Drafter.project_context, {}
-
-    def target_forward(*args):
-        logits, last["features"] = real_forward(*args)
-        return logits, last["features"]
-
-    def project_context(self, features):   # after a verify, features are its first a+1 rows
-        verified = last["features"]
-        return real_project(self, verified[:len(features) + 1] if len(features) < len(verified) else features)
-    with mock.patch.object(dflash, "target_forward", target_forward), \
-            mock.patch.object(dflash.Drafter, "project_context", project_context):
-        return conformance.record_reference(target, drafter, request)[0]
+def patched(patches):
+    """A port made by conformance's own replay of a known mistake: its patches, entered before the recorder
+    wraps the functions they replace."""
+    def run(target, drafter, request):
+        with ExitStack() as stack:
+            for patch in patches(drafter):
+                stack.enter_context(patch)
+            return conformance.record_reference(target, drafter, request)[0]
+    return run
 
 
 def shifted_readout(target, drafter, request):
@@ -172,22 +168,6 @@ def set_each_layer(**attributes):
                 for key, value in attributes.items():
                     setattr(layer, key, value)
     return change
-
-
-def one_sided_window(target, drafter, request):
-    """A port whose window bounds only the keys before a query (a non-causal sliding layer sees both sides)."""
-    def visible_at(delta, causal, window):
-        visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
-        return visible if window is None else visible & (delta < window)
-    with mock.patch.object(dflash, "visible_at", visible_at):
-        return conformance.record_reference(target, drafter, request)[0]
-
-
-def one_rope_base(drafter):
-    """A loader that reads one RoPE base for every layer, the first layer's."""
-    for layer in drafter.layers:
-        layer.self_attn.rope_theta = drafter.config.rope_thetas[0]
-    drafter.config.rope_thetas = [drafter.config.rope_thetas[0]] * len(drafter.layers)
 
 
 def greedy_verifier(accepted_of):
@@ -282,13 +262,14 @@ BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must nam
     "block one position late": ("zlab-qwen3", block_one_late, "hidden", "wrong positions"),
     "causality override ignored": ("zlab-new-bidirectional", with_drafter_change(lambda d: [
         setattr(layer, "causal", layer.window is not None) for layer in d.layers]), "hidden", "causality override"),
-    "window on one side only": ("zlab-new-bidirectional", one_sided_window, "hidden", "one side only"),
-    "one RoPE base for every layer": ("zlab-new-bidirectional", with_drafter_change(one_rope_base), "hidden",
+    "window on one side only": ("zlab-new-bidirectional", patched(lambda d: [mock.patch.object(
+        dflash, "visible_at", conformance.one_sided_visible_at)]), "hidden", "one side only"),
+    "one RoPE base for every layer": ("zlab-new-bidirectional", with_drafter_change(conformance.first_rope_base), "hidden",
                                       "RoPE base"),
     "wrong layer index": ("zlab-qwen3", with_drafter_change(
         lambda d: setattr(d.config, "target_layer_ids", [i + 1 for i in d.config.target_layer_ids])),
         "features", "layer index"),
-    "bonus hidden state too early": ("zlab-qwen3", bonus_too_early, "context", "too early"),
+    "bonus hidden state too early": ("zlab-qwen3", patched(conformance.bonus_row_early), "context", "too early"),
     "readout shifted by one": ("k3-block-width", shifted_readout, "drafts", "shifted by one"),
     "sliding layer as full attention": ("zlab-new-window", with_drafter_change(set_each_layer(causal=False, window=None)),
                                         "hidden", "full attention"),
