@@ -1,4 +1,4 @@
-"""Shared by every test: tiny checkpoints in the released formats (tiny.py), loaded once per session, and the
+"""Shared by every test: tiny checkpoints in the released formats (conformance/cases.py), loaded once per session, and the
 helpers the tests compare with. Targets run in float64 with a peaked LM head so that no near-tie can make the
 oracle ambiguous. GPU tests are marked `gpu` and skip without CUDA; tests of the PyPI data packages are
 marked `package`.
@@ -18,17 +18,16 @@ from hypothesis import HealthCheck, settings, strategies as st
 from safetensors.torch import save_file
 from transformers import DynamicCache
 
-import checkpoint
-import distill
 import dflash
 import fastpath
-import tiny
-import train
 from dflash import DraftContext
+from dflash_reference import loading
+from dflash_reference.conformance import cases
+from dflash_reference.training import distill, train
 
 HERE = Path(__file__).parent
 VOCAB, MAX_POS = 96, 256
-H, T_LAYERS = tiny.H, tiny.T_LAYERS
+H, T_LAYERS = cases.H, cases.T_LAYERS
 FAMILIES = ["qwen3", "llama", "laguna"]
 FORMATS = ["zlab", "zlab-new", "laguna", "dflash2"]
 settings.register_profile("default", deadline=None, max_examples=25,
@@ -38,29 +37,29 @@ torch.set_num_threads(1)   # tiny models: threads only add synchronisation overh
 
 
 def target_config(family: str, **extra):
-    """A tiny target's transformers config (tiny.target_config's keys)."""
+    """A tiny target's transformers config (cases.target_config's keys)."""
     from transformers import AutoConfig
-    raw = tiny.target_config(family, VOCAB, MAX_POS, **extra)
+    raw = cases.target_config(family, VOCAB, MAX_POS, **extra)
     return AutoConfig.for_model(raw.pop("model_type"), **raw)
 
 
 def write_target(directory: Path, family: str, **extra) -> Path:
-    return tiny.write_target(directory, family, 1, VOCAB, MAX_POS, **extra)
+    return cases.write_target(directory, family, 1, VOCAB, MAX_POS, **extra)
 
 
 def drafter_shapes(fmt: str, num_layers: int, n: int, hidden=H, heads=4, kv_heads=2, head_dim=8, inter=48):
-    """Tensor names and shapes of each released format (spec §6), as tiny.py writes them out apart from
-    checkpoint.py."""
+    """Tensor names and shapes of each released format (docs/checkpoints.md), as conformance/cases.py writes them out apart from
+    loading.py."""
     raw = {"architectures": ["DFlashLagunaForCausalLM" if fmt == "laguna" else "DFlashDraftModel"],
            "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
            "head_dim": head_dim, "intermediate_size": inter, "num_hidden_layers": num_layers}
-    return tiny.drafter_tensor_shapes(raw, n)
+    return cases.drafter_tensor_shapes(raw, n)
 
 
 def drafter_config(fmt: str, block_size: int, layer_ids, num_layers=2, window=4, hidden=H, head_dim=8) -> dict:
-    """tiny.drafter_config with this suite's vocabulary; a Laguna one as released: mask id 12, and the
+    """cases.drafter_config with this suite's vocabulary; a Laguna one as released: mask id 12, and the
     eagle_aux_hidden_state_layer_ids a loader must not read as the captured layers."""
-    raw = tiny.drafter_config(fmt, block_size, layer_ids, VOCAB, num_layers, window, hidden, head_dim,
+    raw = cases.drafter_config(fmt, block_size, layer_ids, VOCAB, num_layers, window, hidden, head_dim,
                               mask_token_id=12 if fmt == "laguna" else None)
     if fmt == "laguna":
         raw["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in layer_ids]
@@ -70,7 +69,7 @@ def drafter_config(fmt: str, block_size: int, layer_ids, num_layers=2, window=4,
 def write_drafter(directory: Path, fmt: str, block_size=4, layer_ids=(1, 3), num_layers=2, window=4,
                   hidden=H, seed=0, sharded=False, head_dim=8) -> Path:
     raw = drafter_config(fmt, block_size, layer_ids, num_layers, window, hidden, head_dim)
-    return tiny.write_drafter(directory, raw, seed, len(layer_ids), sharded)
+    return cases.write_drafter(directory, raw, seed, len(layer_ids), sharded)
 
 
 @pytest.fixture(scope="session")
@@ -81,12 +80,12 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def targets(checkpoints):
-    return {family: checkpoint.load_target(str(path), torch.float64, "cpu") for family, path in checkpoints.items()}
+    return {family: loading.load_target(str(path), torch.float64, "cpu") for family, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="session")
 def targets32(checkpoints):
-    return {family: checkpoint.load_target(str(path), torch.float32, "cpu") for family, path in checkpoints.items()}
+    return {family: loading.load_target(str(path), torch.float32, "cpu") for family, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +99,7 @@ def drafters(targets, targets32, tmp_path_factory):
             path = write_drafter(root / f"{family}-{fmt}-{block_size}", fmt, block_size,
                                  layer_ids=(1, 3, 4) if fmt == "laguna" else (1, 3), sharded=fmt == "zlab-new")
             target = (targets if dtype == torch.float64 else targets32)[family]
-            cache[key] = checkpoint.load_drafter(str(path), target, dtype, "cpu")
+            cache[key] = loading.load_drafter(str(path), target, dtype, "cpu")
         return cache[key]
     return get
 
@@ -152,9 +151,18 @@ def drop_tensors(path: Path, prefix: str, add=None):
 
 
 
+COMMANDS = {"dflash-train": "dflash_reference.training.train", "dflash-eval": "dflash_reference.evaluation",
+            "dflash-conformance": "dflash_reference.conformance.checker"}   # installed commands: their modules
+
+
+def command_line(script: str) -> list[str]:
+    """How a user runs `script`: dflash.py, fastpath.py or a benchmark from the clone, or an installed command."""
+    return [sys.executable, "-m", COMMANDS[script]] if script in COMMANDS else [sys.executable, str(HERE / script)]
+
+
 def run_cli(*args, script="dflash.py"):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, env=env)
+    return subprocess.run([*command_line(script), *args], capture_output=True, text=True, env=env)
 
 
 def spec_args(target, draft, *extra):
@@ -213,7 +221,7 @@ MASK = VOCAB - 1
 def llama_data(tmp_path_factory):
     """A tiny float32 Llama target on disk and loaded, with its greedy answers to 24 random prompts."""
     path = write_target(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-    target = checkpoint.load_target(str(path), torch.float32, "cpu")
+    target = loading.load_target(str(path), torch.float32, "cpu")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 9, (24,), generator=g)]
@@ -246,7 +254,7 @@ def head_chunk_cases(device, dtype, rows, vocab, soft=False):
 
 
 def run_train_cli(*args):
-    return subprocess.run([sys.executable, str(HERE / "train.py"), *args], capture_output=True, text=True)
+    return subprocess.run([*command_line("dflash-train"), *args], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ def require(ok: bool, message: str):
 
 
 # -----------------------------------------------------------------------------
-# Drafter config: every checkpoint format resolved at load into one description (spec §6)
+# Drafter config: every checkpoint format resolved at load into one description (docs/checkpoints.md)
 @dataclass
 class DraftConfig:
     hidden_size: int                 # H, must equal the target's
@@ -70,7 +70,7 @@ class DraftConfig:
 
 
 def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Spread n captured layers evenly from layer 1 to layer T-3 (spec §1); one layer sits at T // 2."""
+    """Spread n captured layers evenly from layer 1 to layer T-3 (z-lab's build_target_layer_ids); one layer sits at T // 2."""
     T = num_target_layers
     return [T // 2] if n == 1 else [round(1 + i * (T - 4) / (n - 1)) for i in range(n)]
 
@@ -110,9 +110,7 @@ def gate(logits, o):
 def attend(q, keys, values, mask):
     """Scaled dot-product attention of queries q (..., h, W, d) over keys, values (..., hk, S+W, d): the
     context's and the rows' own, each K/V head serving h/hk query heads -> (..., h, W, d). mask: (..., W, S+W)
-    bool, the keys each row sees, or None for all; or a mask that attends itself (`packed.PackedMask`)."""
-    if hasattr(mask, "attend"):
-        return mask.attend(q, keys, values)
+    bool, the keys each row sees, or None for all. Training passes its own in its place (Drafter.forward)."""
     # K/V repeated per query head: masked, SDPA's own GQA runs only its math kernel, this one can run fused
     g = q.shape[-3] // keys.shape[-3]
     keys, values = keys.repeat_interleave(g, -3), values.repeat_interleave(g, -3)      # (..., h, S, d)
@@ -137,7 +135,7 @@ class DraftAttention(nn.Module):
         k, v = kv.unflatten(-1, (2, self.num_kv_heads, self.head_dim)).unbind(-3)      # (..., N, hk, d)
         return rope(self.k_norm(k), table).transpose(-3, -2), v.transpose(-3, -2)
 
-    def forward(self, u, table, context, mask):
+    def forward(self, u, table, context, mask, attend=attend):
         """Rows u (..., W, H) with their rope table, context (keys, values) (..., hk, S, d) -> (..., W, H)."""
         q, k, v = self.qkv_proj(u).unflatten(-1, (-1, self.head_dim)).split(self.heads, -2)   # (..., W, h|hk, d)
         q, k = rope(self.q_norm(q), table), rope(self.k_norm(k), table)
@@ -201,10 +199,10 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
-        # Laguna normalises the context with this layer's own input norm before k/v; z-lab does not (spec §3).
+        # Laguna normalises the context with this layer's own input norm before k/v; z-lab does not (docs/checkpoints.md).
         self.context_norm = self.input_layernorm if cfg.norm_context else nn.Identity()
         self.causal, self.window = cfg.causal[layer], cfg.windows[layer]   # this layer's mask rule
-        convolved = cfg.conv_kernel_size > 0   # DFlash2 convolves around the attention and the MLP (spec §9)
+        convolved = cfg.conv_kernel_size > 0   # DFlash2 convolves around the attention and the MLP (z-lab's DFlash2DraftModel)
         self.attention_conv, self.mlp_conv = (GroupedDynamicCausalConv(cfg), GroupedDynamicCausalConv(cfg)) \
             if convolved else (None, None)
 
@@ -214,8 +212,8 @@ class DraftLayer(nn.Module):
         kv = F.linear(self.context_norm(c), attn.qkv_proj.weight[attn.kv_rows])       # (..., S, 2·hk·d)
         return attn.keys_values(kv, tables[attn.rope_theta])
 
-    def forward(self, x, tables, context, mask, block: int):
-        attention = lambda u: self.self_attn(u, tables[self.self_attn.rope_theta], context, mask)
+    def forward(self, x, tables, context, mask, block: int, attend=attend):
+        attention = lambda u: self.self_attn(u, tables[self.self_attn.rope_theta], context, mask, attend)
         x = x + around(self.attention_conv, self.input_layernorm(x), attention, block)
         return x + around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp, block)
 
@@ -255,12 +253,12 @@ class CandidateSelector(nn.Module):
 
 class Drafter(nn.Module):
     """No embeddings, no LM head: the target's serve. Parameter names are the checkpoint's, except that
-    z-lab's q_proj/k_proj/v_proj are one qkv_proj, fused at load (checkpoint.py maps them back)."""
+    z-lab's q_proj/k_proj/v_proj are one qkv_proj, fused at load (loading.py maps them back)."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config, n, H, eps = cfg, len(cfg.target_layer_ids), cfg.hidden_size, cfg.rms_norm_eps
-        # Laguna normalises each captured layer on its own before fc (spec §2); z-lab does not.
+        # Laguna normalises each captured layer on its own before fc (docs/checkpoints.md); z-lab does not.
         self.aux_hidden_norms = nn.ModuleList(RMSNorm(H, eps) for _ in range(n)) if cfg.capture_norms else None
         self.fc, self.hidden_norm = nn.Linear(n * H, H, bias=False), RMSNorm(H, eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, l) for l in range(cfg.num_layers))
@@ -278,11 +276,12 @@ class Drafter(nn.Module):
         """A rope_table at positions (..., N) for each RoPE base the layers use."""
         return {t: rope_table(positions, t, self.config.head_dim, dtype) for t in set(self.config.rope_thetas)}
 
-    def forward(self, x, tables, context, masks, block: int):
+    def forward(self, x, tables, context, masks, block: int, attend=attend):
         """Block embeddings x (..., W, H) in blocks of `block` rows, the rope_tables of their positions (made by
-        the caller: compiled here, inductor would redo their float64 math per kernel), context and masks."""
+        the caller: compiled here, inductor would redo their float64 math per kernel), context and masks;
+        `attend(q, keys, values, mask)` is the attention (training's packed forward brings its own)."""
         for layer, layer_context, mask in zip(self.layers, context, masks):
-            x = layer(x, tables, layer_context, mask, block)
+            x = layer(x, tables, layer_context, mask, block, attend)
         return self.norm(x)
 
     def draft_logits(self, hidden, head):
@@ -595,6 +594,6 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
     return out
 
 
-if __name__ == "__main__":   # the demo: the command line lives in cli.py
-    import cli
-    cli.run(cli.main)
+if __name__ == "__main__":   # the demo program, dflash_reference/demo.py, decoding through this file
+    import runpy
+    runpy.run_module("dflash_reference.demo", {"DECODER": "dflash"}, "__main__")

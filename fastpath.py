@@ -17,7 +17,7 @@ names. Every difference from dflash.py:
     any other target (Laguna's MoE, sliding windows, biases) runs its own forward over transformers'
     static cache (`ModelTarget`), whose capture hooks are registered once per Decoder and removed by
     `close()`; targets that cache compressed keys and values (MLA) are refused;
-  - attention by buffer slot (`attend_upto`, triton_ops.py: a query sees one range of slots, up to its own
+  - attention by buffer slot (`attend_upto`, kernels.py: a query sees one range of slots, up to its own
     in the target, the committed context and the block in the drafter, whose block k/v are written into
     the context buffers at the block's slots), with grouped heads (K/V never repeated), where dflash.py
     calls SDPA over the committed positions only. On CUDA it is a Triton kernel that reads K/V only
@@ -34,7 +34,7 @@ names. Every difference from dflash.py:
   - one host read per step, the accepted tokens; sampling's uniforms are drawn outside the graphs, and the
     drafts' distribution q, where drafts are drawn (at T > 0 DFlash2's, or DFlash's with drafts "sampled"),
     waits in a static buffer for verify;
-  - draws and DFlash2's walk by triton_ops.py, Triton kernels on CUDA and dflash.py's own functions
+  - draws and DFlash2's walk by kernels.py, Triton kernels on CUDA and dflash.py's own functions
     elsewhere: inverse-CDF draws of every row at once (`sample`); the candidates (`topk`), every row's
     scores given each candidate before it, then the picks (`candidate_walk`). DFlash2's convolutions run
     as dflash.py's own modules inside the draft part.
@@ -62,7 +62,7 @@ from torch import nn
 
 import dflash
 from dflash import Drafter, Generation, Sampling, rope
-from triton_ops import attend_upto, candidate_walk, heads_into_place, sample
+from dflash_reference.kernels import attend_upto, candidate_walk, heads_into_place, sample
 
 
 # -----------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def draft_block(drafter: FusedDrafter, buf: Buffers, block_embeds):
 
 
 def read_drafts(drafter: Drafter, hidden, target, anchor, sampling: Sampling, uniforms):
-    """dflash.read_drafts with triton_ops' `candidate_walk` and `sample`, Triton kernels on CUDA: a DFlash2
+    """dflash.read_drafts with kernels' `candidate_walk` and `sample`, Triton kernels on CUDA: a DFlash2
     drafter's walk, or a DFlash drafter's drafts drawn from its p, all rows at once."""
     logits = drafter.draft_logits(hidden, target.get_output_embeddings())              # (N, V)
     if drafter.candidate_selector is not None:
@@ -619,6 +619,6 @@ def generate(target, drafter, prompt_ids: list[int], max_new_tokens: int, *, num
         return decoder.generate(prompt_ids, max_new_tokens, stop_ids=stop_ids, on_tokens=on_tokens, seed=seed)
 
 
-if __name__ == "__main__":   # the same command line as dflash.py's (cli.py), decoding through this file
-    import cli
-    cli.run(cli.main, generate_fn=generate)
+if __name__ == "__main__":   # the demo program, dflash_reference/demo.py, decoding through this file
+    import runpy
+    runpy.run_module("dflash_reference.demo", {"DECODER": "fastpath"}, "__main__")

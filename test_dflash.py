@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-import checkpoint
-import cli
 import dflash
 import fastpath
 from dflash import DFlashError
 from conftest import (FAMILIES, FORMATS, H, HERE, MAX_POS, T_LAYERS, VOCAB, assert_same_generation, assert_same_tokens, context_of, forward_with_capture, hf_greedy, laguna, prompts, run_both, run_cli, write_drafter)
+from dflash_reference import demo, loading
 
 
 def test_default_layer_ids_follow_spec():
@@ -67,7 +66,7 @@ def rotate(x, positions, theta):
 
 
 def naive_conv(x, taps, base):
-    """DFlash2's convolution of one block written from the spec's formula: out[t, c] = Σ_o (base[o, c] +
+    """DFlash2's convolution of one block written from its formula: out[t, c] = Σ_o (base[o, c] +
     taps[t, o, c // g]) · x[t − o, c], the rows before the block's first zero. x (W, H), taps (W, C, G)."""
     (W, H), (C, G) = x.shape, taps.shape[1:]
     out = torch.zeros_like(x)
@@ -88,7 +87,7 @@ def around(conv, a, sublayer):
 
 
 def naive_block(drafter, c, x):
-    """The drafter layers computed query by query from the spec's text, recomputing context K/V."""
+    """The drafter layers computed query by query from the paper's description, recomputing context K/V."""
     cfg = drafter.config
     rms = lambda t, w: w * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
     for l, layer in enumerate(drafter.layers):
@@ -144,7 +143,7 @@ def test_block_attention_matches_direct_computation(drafters, fmt, S):
 
 
 def test_convolution_restarts_at_each_block():
-    """dflash.convolve over rows that hold several blocks equals the spec's formula on each block alone."""
+    """dflash.convolve over rows that hold several blocks equals the formula on each block alone."""
     g = torch.Generator().manual_seed(0)
     B, H_, C, G = 5, 8, 3, 2
     x = torch.randn(3 * B, H_, dtype=torch.float64, generator=g)                     # three blocks
@@ -157,7 +156,7 @@ def test_convolution_restarts_at_each_block():
 
 
 def test_selector_walks_its_candidates_from_the_anchor(drafters):
-    """DFlash2's selector from the spec's text: each draft row's k likeliest tokens scored by their logit
+    """DFlash2's selector from its description: each draft row's k likeliest tokens scored by their logit
     plus Σ_r A[prev, r]·u_t[r]·B[candidate, r], prev the anchor and then each pick (u the row's projection);
     the argmax at T = 0, at T > 0 a draw from q = softmax(scores / T) by the inverse CDF of the row's
     uniform, q kept. Every draft is one of its row's candidates."""
@@ -540,7 +539,7 @@ def test_a_generation_without_rounds_has_no_tau(targets, drafters, module):
     target, drafter = targets["qwen3"], drafters("qwen3", "zlab", 4)
     one = module.generate(target, drafter, [5, 3, 9], 1)
     assert len(one.tokens) == 1 and one.rounds == [] and one.tau is None
-    assert re.search(r"^\s+tau  -$", cli.stats_table(one, 1.0), re.M)
+    assert re.search(r"^\s+tau  -$", demo.stats_table(one, 1.0), re.M)
     assert json.loads(json.dumps({"tau": one.tau})) == {"tau": None}
     two = module.generate(target, drafter, [5, 3, 9], 2)
     assert [r["draft"] for r in two.rounds] == [[]] and two.tau == 1.0
@@ -675,7 +674,7 @@ def test_drafts_per_round_equal_zlabs_reference(targets, tmp_path, fmt):
     zlab = zlab_reference()
     target, block = targets["qwen3"], 6
     path = write_drafter(tmp_path / fmt, fmt, block_size=block, layer_ids=(1, 3))
-    ours = checkpoint.load_drafter(str(path), target, torch.float64, "cpu")
+    ours = loading.load_drafter(str(path), target, torch.float64, "cpu")
     theirs = (zlab.DFlash2DraftModel if fmt == "dflash2" else zlab.DFlashDraftModel).from_pretrained(
         str(path), dtype=torch.float64).eval()
     rounds = []
@@ -696,29 +695,40 @@ def test_drafts_per_round_equal_zlabs_reference(targets, tmp_path, fmt):
     assert gen.acceptance_lengths[:full] == result.acceptance_lengths[:full]
 
 
-FLOORS = ["files", "tiny", "dflash", "checkpoint", "packages", "cli", "triton_ops", "fastpath", "distill", "packed", "loss",
-          "train", "evaluation", "bench", "bench_train", "conformance"]   # each imports only files to its left
+FLOORS = {   # each file imports only files above it in this list
+    "dflash": "dflash.py", "scripts": "dflash_reference/scripts.py", "loading": "dflash_reference/loading.py",
+    "kernels": "dflash_reference/kernels.py", "fastpath": "fastpath.py", "demo": "dflash_reference/demo.py",
+    "evaluation": "dflash_reference/evaluation.py", "prompt_sources": "dflash_reference/training/prompt_sources.py",
+    "distill": "dflash_reference/training/distill.py", "objective": "dflash_reference/training/objective.py",
+    "train": "dflash_reference/training/train.py", "cases": "dflash_reference/conformance/cases.py",
+    "checker": "dflash_reference/conformance/checker.py", "bench": "benchmarks/bench.py",
+    "bench_train": "benchmarks/bench_train.py"}
 
 
 def project_imports(name: str) -> set[str]:
     """The project files a file imports, inside functions too, but not in its `if __name__ == "__main__":`
-    block: a script's entry point may hand its flags to a file above it (dflash.py's to cli.py)."""
+    block: a script's entry point may hand its flags to a file above it (dflash.py's to demo.py)."""
     import ast
-    tree = ast.parse((HERE / f"{name}.py").read_text())
+    tree = ast.parse((HERE / FLOORS[name]).read_text())
     entry = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
     skipped = {id(n) for block in entry for n in ast.walk(block)}
     nodes = [n for n in ast.walk(tree) if id(n) not in skipped]
-    imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names} | \
-               {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
-    return imported & set(FLOORS)
+    dotted = [alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names]
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            dotted += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return {part for name in dotted for part in name.split(".")} & set(FLOORS)
 
 
 def test_files_import_only_files_below_them():
     """The project's files form floors: each imports only files on a lower floor, so there is no circle, and
     dflash.py, the reference, imports no project file at all. Imports inside functions count too."""
-    assert sorted(p.stem for p in HERE.glob("*.py") if p.stem != "conftest" and not p.stem.startswith("test_")) == \
-        sorted(FLOORS)
+    found = [p.relative_to(HERE).as_posix() for p in [*HERE.glob("*.py"), *HERE.glob("dflash_reference/**/*.py"),
+                                                        *HERE.glob("benchmarks/*.py")]]
+    assert sorted(p for p in found if p != "conftest.py" and not p.rsplit("/", 1)[-1].startswith(("test_", "__init__"))) == \
+        sorted(FLOORS.values())
     assert project_imports("dflash") == set()
-    for floor, name in enumerate(FLOORS):
-        above = project_imports(name) - set(FLOORS[:floor])
+    names = list(FLOORS)
+    for floor, name in enumerate(names):
+        above = project_imports(name) - set(names[:floor])
         assert not above, (name, sorted(above))

@@ -1,4 +1,4 @@
-"""checkpoint.py: every released format resolved into one DraftConfig, the released configs, saving."""
+"""loading.py: every released format resolved into one DraftConfig, the released configs, saving."""
 import json
 from unittest import mock
 
@@ -6,12 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import checkpoint
-import tiny
-import cli
 import dflash
 from dflash import DFlashError
-from conftest import (FORMATS, H, HERE, MAX_POS, T_LAYERS, VOCAB, drafter_config, drafter_shapes, spec_args, write_drafter)
+from conftest import (FORMATS, H, MAX_POS, T_LAYERS, VOCAB, drafter_config, drafter_shapes, spec_args, write_drafter)
+from dflash_reference import demo, loading, scripts
+from dflash_reference.conformance import cases
 
 
 def test_missing_layer_ids_use_default_rule(targets, tmp_path):
@@ -20,7 +19,7 @@ def test_missing_layer_ids_use_default_rule(targets, tmp_path):
     config = json.loads((path / "config.json").read_text())
     del config["dflash_config"]["target_layer_ids"]
     (path / "config.json").write_text(json.dumps(config))
-    drafter = checkpoint.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
+    drafter = loading.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
     assert drafter.config.target_layer_ids == dflash.default_layer_ids(T_LAYERS, 3) == [1, 2, 3]
 
 
@@ -49,23 +48,23 @@ def test_causality_keys_are_read_in_vllms_order(edit, causal):
     dflash_config.causal, then layer_types (sliding = causal), as vLLM resolves it."""
     raw = drafter_config("zlab-new", 4, (1, 3))   # layers: sliding, full
     edit(raw)
-    assert checkpoint.load_draft_config(raw, T_LAYERS, 2 * H).causal == causal
+    assert loading.load_draft_config(raw, T_LAYERS, 2 * H).causal == causal
 
 
 def test_dflash_config_is_read_before_the_top_level():
     """Every key, RoPE's and the block size's included, from dflash_config first, then the top level
-    (spec §6); a null in dflash_config falls through to the top level."""
+    (docs/checkpoints.md); a null in dflash_config falls through to the top level."""
     raw = drafter_config("zlab-new", 4, (1, 3))
     raw["dflash_config"].update(rope_theta=123.0, block_size=None)
     raw.update(rope_theta=456.0, block_size=8)
     raw.pop("rope_parameters", None)
-    cfg = checkpoint.load_draft_config(raw, T_LAYERS, 2 * H)
+    cfg = loading.load_draft_config(raw, T_LAYERS, 2 * H)
     assert cfg.rope_thetas == [123.0, 123.0] and cfg.block_size == 8
     raw["dflash_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 789.0}
-    assert checkpoint.load_draft_config(raw, T_LAYERS, 2 * H).rope_thetas == [789.0, 789.0]
+    assert loading.load_draft_config(raw, T_LAYERS, 2 * H).rope_thetas == [789.0, 789.0]
 
 
-RELEASED = HERE / "released_configs"
+RELEASED = scripts.package_data("released_configs")
 RELEASED_EXPECTED = {   # README of released_configs/: what each resolves to, or why it is refused
     "zlab_Qwen3-4B-DFlash-b16_reconstructed.json": dict(
         block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33], num_layers=5, num_kv_heads=8,
@@ -97,8 +96,8 @@ def test_released_configs_resolve_or_are_refused(tmp_path, name):
     vLLM reads it, or is refused with one line naming every key it cannot honour."""
     from transformers import AutoModelForCausalLM, Qwen3Config
     raw = json.loads((RELEASED / name).read_text())
-    if checkpoint.is_dflash2(raw):   # as released, at its own widths: the selector's rank
-        assert checkpoint.load_draft_config(raw, 64, 5 * raw["hidden_size"]).selector_rank == 256
+    if loading.is_dflash2(raw):   # as released, at its own widths: the selector's rank
+        assert loading.load_draft_config(raw, 64, 5 * raw["hidden_size"]).selector_rank == 256
         raw["dflash_config"]["selector_rank"] = 4
     raw |= {"hidden_size": H, "intermediate_size": 48, "head_dim": 2} | ({"v_head_dim": 2} if "v_head_dim" in raw else {})
     nested = raw.get("dflash_config") or {}
@@ -106,16 +105,16 @@ def test_released_configs_resolve_or_are_refused(tmp_path, name):
     target = AutoModelForCausalLM.from_config(Qwen3Config(
         vocab_size=raw["vocab_size"], hidden_size=H, intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
-    shapes = tiny.drafter_tensor_shapes(raw, len(nested["target_layer_ids"]))
+    shapes = cases.drafter_tensor_shapes(raw, len(nested["target_layer_ids"]))
     (tmp_path / "config.json").write_text(json.dumps(raw))
     save_file({k: torch.randn(shape) * 0.1 for k, shape in shapes.items()}, tmp_path / "model.safetensors")
     expected = RELEASED_EXPECTED[name]
     if isinstance(expected, str):
         with pytest.raises(DFlashError) as err:
-            checkpoint.load_drafter(str(tmp_path), target, torch.float32, "cpu")
+            loading.load_drafter(str(tmp_path), target, torch.float32, "cpu")
         assert str(err.value) == expected
         return
-    cfg = checkpoint.load_drafter(str(tmp_path), target, torch.float32, "cpu").config
+    cfg = loading.load_drafter(str(tmp_path), target, torch.float32, "cpu").config
     assert {k: getattr(cfg, k) for k in expected} == expected
 
 
@@ -125,7 +124,7 @@ def test_kv_rows_of_the_one_projection_are_the_files_k_and_v(targets, tmp_path, 
     qkv_proj as shipped, split [q (h·d); k (hk·d); v (hk·d)]. At position 0 (RoPE is the identity) a
     context row's key is k_norm(W_k c) and its value W_v c, with W_k, W_v read from the file."""
     path = write_drafter(tmp_path / "d", fmt, layer_ids=(1, 3, 4) if fmt == "laguna" else (1, 3))
-    drafter = checkpoint.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
+    drafter = loading.load_drafter(str(path), targets["qwen3"], torch.float64, "cpu")
     tensors = {k: v.double() for k, v in load_file(path / "model.safetensors").items()}
     layer = drafter.layers[0]
     if fmt == "laguna":
@@ -144,21 +143,23 @@ def test_kv_rows_of_the_one_projection_are_the_files_k_and_v(targets, tmp_path, 
 
 @pytest.mark.parametrize("fmt,layers,n", [("zlab", 2, 2), ("laguna", 5, 5)])
 def test_saved_checkpoint_has_the_released_names_and_loads_back_exactly(targets, tmp_path, fmt, layers, n):
-    """A drafter saved by checkpoint.save_drafter has exactly the released format's tensor names (the
+    """A drafter saved by loading.save_drafter has exactly the released format's tensor names (the
     independent list in drafter_shapes: 58 tensors for a 5-layer Laguna drafter), the same bytes as the
     file it was loaded from, and loads back to the same parameters."""
     ids = (0, 1, 2, 3, 5)[:n] if fmt == "laguna" else (1, 3)
     path = write_drafter(tmp_path / "src", fmt, layer_ids=ids, num_layers=layers)
-    drafter = checkpoint.load_drafter(str(path), targets["laguna"], torch.float32, "cpu")
+    drafter = loading.load_drafter(str(path), targets["laguna"], torch.float32, "cpu")
     raw = json.loads((path / "config.json").read_text())
-    checkpoint.save_drafter(drafter, raw, tmp_path / "out", torch.float32)
+    loading.save_drafter(drafter, raw, tmp_path / "out", torch.float32)
     saved, source = load_file(tmp_path / "out" / "model.safetensors"), load_file(path / "model.safetensors")
     assert set(saved) == set(drafter_shapes(fmt, layers, n)) == set(source)
     if fmt == "laguna":
         assert len(saved) == 58
     assert all(torch.equal(saved[k], source[k]) for k in saved)
-    again = checkpoint.load_drafter(str(tmp_path / "out"), targets["laguna"], torch.float32, "cpu")
+    again = loading.load_drafter(str(tmp_path / "out"), targets["laguna"], torch.float32, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), drafter.parameters()))
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}
+    assert modes == {"config.json": 0o666 & ~scripts.umask(), "model.safetensors": 0o666 & ~scripts.umask()}   # as open() makes them
 
 
 def test_a_target_with_missing_or_damaged_weights_is_refused(checkpoints, tmp_path):
@@ -172,11 +173,11 @@ def test_a_target_with_missing_or_damaged_weights_is_refused(checkpoints, tmp_pa
     save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, cut / "model.safetensors")
     with pytest.raises(DFlashError, match=r"--target '.*cut': 1 weights missing from its checkpoint "
                                           r"\(e.g. \['lm_head.weight'\]\); they would be random"):
-        checkpoint.load_target(str(cut), torch.float32, "cpu")
+        loading.load_target(str(cut), torch.float32, "cpu")
     data = (checkpoints["llama"] / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
     with pytest.raises(DFlashError, match=r"--target '.*cut': cannot load \("):
-        checkpoint.load_target(str(cut), torch.float32, "cpu")
+        loading.load_target(str(cut), torch.float32, "cpu")
 
 
 def test_a_target_with_recurrent_layers_is_refused(tmp_path, capsys):
@@ -191,8 +192,8 @@ def test_a_target_with_recurrent_layers_is_refused(tmp_path, capsys):
                           linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=2)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hybrid")
     draft = write_drafter(tmp_path / "d", "zlab")
-    with mock.patch.object(checkpoint.AutoModelForCausalLM, "from_pretrained") as load, pytest.raises(SystemExit) as exit:
-        cli.run(cli.main, argv=spec_args(str(tmp_path / "hybrid"), draft))
+    with mock.patch.object(loading.AutoModelForCausalLM, "from_pretrained") as load, pytest.raises(SystemExit) as exit:
+        scripts.run(demo.main, argv=spec_args(str(tmp_path / "hybrid"), draft))
     assert exit.value.code == 2 and not load.called
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: target: layer_types has ['linear_attention'] layers (a hybrid model, e.g. Qwen3-Next or Qwen3.5): "

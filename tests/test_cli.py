@@ -16,14 +16,12 @@ from safetensors.torch import save_file
 
 import bench
 import bench_train
-import checkpoint
-import cli
-import conformance
 import dflash
-import evaluation
 import fastpath
-import train
-from conftest import (H, HERE, MAX_POS, VOCAB, assert_same_tokens, drop_tensors, edit_config, hf_greedy, run_cli, spec_args, write_drafter)
+from conftest import (H, HERE, command_line, MAX_POS, VOCAB, assert_same_tokens, drop_tensors, edit_config, hf_greedy, run_cli, spec_args, write_drafter)
+from dflash_reference import demo, evaluation, loading, scripts
+from dflash_reference.conformance import checker
+from dflash_reference.training import train
 
 
 def test_cli_json_matches_generate(checkpoints, targets, tmp_path):
@@ -145,7 +143,12 @@ BAD_CHECKPOINTS = {
                      "least 2 (the bonus and one draft)"),
     "block_size missing": ("zlab", lambda p: edit_config(p, lambda c: c.pop("block_size")),
                            "draft config: 'block_size' is missing"),
-    "hidden size mismatch": ("zlab-h48", None, "draft config: 'hidden_size' = 48 but the target's is 32"),
+    "hidden size mismatch": ("zlab-h48", None, "draft config: 'hidden_size' = 48 but the target's is 32: a drafter "
+                             "runs on its target's embeddings and LM head"),
+    "hidden size edited": ("zlab", set_top(hidden_size=64), "draft config: 'hidden_size' = 64 but the target's is "
+                           "32: a drafter runs on its target's embeddings and LM head"),
+    "hidden size a string": ("zlab", set_top(hidden_size="32"), "draft config: 'hidden_size' = '32' must be an "
+                             "integer"),
     "NaN weight": ("zlab", poison("layers.1.mlp.up_proj.weight"),
                    "draft weights: 'layers.1.mlp.up_proj.weight' has 1 NaN or Inf values"),
     # Checkpoints that would load and run, correct but with acceptance quietly lost
@@ -236,7 +239,7 @@ DISTILL = ["distill", "--target", "{l}", "--out", "{tmp}/a.pt", "--device", "cpu
 BAD_FLAGS = {
     "--seed past 64 bits": ("dflash.py", SPEC + ["--prompt-ids", "1,2", "--seed", str(2 ** 64)],
                             f"--seed = {2 ** 64} must be in 0..2^63-1"),
-    "train --seed -1": ("train.py", TRAIN + ["--seed", "-1"], "--seed = -1 must be in 0..2^63-1"),
+    "train --seed -1": ("dflash-train", TRAIN + ["--seed", "-1"], "--seed = -1 must be in 0..2^63-1"),
     "--num-drafts 9": ("dflash.py", SPEC + ["--prompt-ids", "1,2", "--num-drafts", "9"],
                        "--num-drafts = 9 must be in 1..3 (the drafter's block_size is 4)"),
     "--num-drafts 0": ("dflash.py", SPEC + ["--prompt-ids", "1,2", "--num-drafts", "0"],
@@ -272,127 +275,131 @@ BAD_FLAGS = {
                               "--target '/nonexistent': no such directory"),
     "--draft ./nowhere": ("dflash.py", ["--target", "{t}", "--draft", "./nowhere", "--prompt-ids", "1"],
                           "--draft './nowhere': no such directory"),
+    "--draft a file": ("dflash.py", ["--target", "{t}", "--draft", "{data}", "--prompt-ids", "1"],
+                       "--draft '{data}' is a file, not a checkpoint directory"),
+    "--target a file": ("dflash.py", ["--target", "{data}", "--draft", "{d}", "--prompt-ids", "1"],
+                        "--target '{data}' is a file, not a checkpoint directory"),
     "--target without --draft": ("dflash.py", ["--target", "{t}"], "--target = '{t}' needs --draft (or "
                                  "--target-only)"),
-    "train --heldout 99": ("train.py", TRAIN + ["--heldout", "99"],
+    "train --heldout 99": ("dflash-train", TRAIN + ["--heldout", "99"],
                            "--heldout = 99 must be in 0..23 ({data} has 24 greedy answers)"),
-    "train --data twice": ("train.py", TRAIN + ["--data", "{data}", "{data}"],
+    "train --data twice": ("dflash-train", TRAIN + ["--data", "{data}", "{data}"],
                            "--data: {data} given twice (its answers would train twice as often)"),
-    "train --heldout 4 4": ("train.py", TRAIN + ["--heldout", "4", "4"], "--heldout has 2 counts for 1 --data file"),
-    "train --heldout -1": ("train.py", TRAIN + ["--heldout", "-1"], "--heldout = -1: counts must be ≥ 0"),
-    "train --heldout-tokens 0": ("train.py", TRAIN + ["--heldout-tokens", "0"], "--heldout-tokens = 0 must be at least 1"),
-    "train --block-size 1": ("train.py", TRAIN + ["--block-size", "1"],
+    "train --heldout 4 4": ("dflash-train", TRAIN + ["--heldout", "4", "4"], "--heldout has 2 counts for 1 --data file"),
+    "train --heldout -1": ("dflash-train", TRAIN + ["--heldout", "-1"], "--heldout = -1: counts must be ≥ 0"),
+    "train --heldout-tokens 0": ("dflash-train", TRAIN + ["--heldout-tokens", "0"], "--heldout-tokens = 0 must be at least 1"),
+    "train --block-size 1": ("dflash-train", TRAIN + ["--block-size", "1"],
                              "--block-size = 1 must be at least 2 (the bonus and one draft)"),
-    "train --layers 0": ("train.py", TRAIN + ["--layers", "0"], "--layers = 0 must be at least 1"),
-    "train --mask-token-id past rows": ("train.py", TRAIN + ["--mask-token-id", str(VOCAB)],
+    "train --layers 0": ("dflash-train", TRAIN + ["--layers", "0"], "--layers = 0 must be at least 1"),
+    "train --mask-token-id past rows": ("dflash-train", TRAIN + ["--mask-token-id", str(VOCAB)],
                                         f"--mask-token-id = {VOCAB} is outside the target's {VOCAB} embedding rows"),
-    "train --num-features 5": ("train.py", TRAIN + ["--num-features", "5"], "--num-features = 5 gives layer ids "
+    "train --num-features 5": ("dflash-train", TRAIN + ["--num-features", "5"], "--num-features = 5 gives layer ids "
                                "[1, 2, 2, 2, 3] for a 6-layer target; use 1..3"),
-    "train --batch-size 0": ("train.py", TRAIN + ["--batch-size", "0"], "--batch-size = 0 must be at least 1"),
-    "train --lr 0": ("train.py", TRAIN + ["--lr", "0"], "--lr = 0.0 must be positive and finite"),
-    "train --lr inf": ("train.py", TRAIN + ["--lr", "inf"], "--lr = inf must be positive and finite"),
-    "train --weight-decay inf": ("train.py", TRAIN + ["--weight-decay", "inf"],
+    "train --batch-size 0": ("dflash-train", TRAIN + ["--batch-size", "0"], "--batch-size = 0 must be at least 1"),
+    "train --lr 0": ("dflash-train", TRAIN + ["--lr", "0"], "--lr = 0.0 must be positive and finite"),
+    "train --lr inf": ("dflash-train", TRAIN + ["--lr", "inf"], "--lr = inf must be positive and finite"),
+    "train --weight-decay inf": ("dflash-train", TRAIN + ["--weight-decay", "inf"],
                                  "--weight-decay = inf must be ≥ 0 and finite"),
-    "train --out a file": ("train.py", TRAIN + ["--out", "{data}"],
+    "train --out a file": ("dflash-train", TRAIN + ["--out", "{data}"],
                            "--out '{data}' must name a directory for the drafter (it is a file)"),
-    "train --out the target": ("train.py", TRAIN + ["--out", "{l}"], "--out '{l}' is the --target directory: the "
+    "train --out the target": ("dflash-train", TRAIN + ["--out", "{l}"], "--out '{l}' is the --target directory: the "
                                "drafter's config.json and model.safetensors would replace the target's"),
-    "train --gamma -2": ("train.py", TRAIN + ["--gamma", "-2"], "--gamma = -2.0 must be positive (the loss weights "
+    "train --gamma -2": ("dflash-train", TRAIN + ["--gamma", "-2"], "--gamma = -2.0 must be positive (the loss weights "
                          "exp(-(k-1)/γ) fall with the block row k)"),
-    "train --warmup -1": ("train.py", TRAIN + ["--warmup", "-1"],
+    "train --warmup -1": ("dflash-train", TRAIN + ["--warmup", "-1"],
                           "--warmup = -1.0 must be a fraction of the steps in [0, 1)"),
-    "train --num-features 0": ("train.py", TRAIN + ["--num-features", "0"], "--num-features = 0 must be at least 1"),
-    "train --heldout-tokens too few": ("train.py", TRAIN + ["--heldout-tokens", "2"], "held-out sequences of "
+    "train --num-features 0": ("dflash-train", TRAIN + ["--num-features", "0"], "--num-features = 0 must be at least 1"),
+    "train --heldout-tokens too few": ("dflash-train", TRAIN + ["--heldout-tokens", "2"], "held-out sequences of "
                                        "{data}: none has a response of at least block_size = 4 tokens "
                                        "(--heldout-tokens = 2)"),
-    "train --init, another --block-size": ("train.py", TRAIN + ["--init", "{d}", "--block-size", "8"],
+    "train --init, another --block-size": ("dflash-train", TRAIN + ["--init", "{d}", "--block-size", "8"],
                                            "--block-size = 8 but the --init drafter's is 4: a checkpoint keeps its "
                                            "block, mask id and features (leave the flag out)"),
-    "evaluation --seed -1": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--seed", "-1"],
+    "evaluation --seed -1": ("dflash-eval", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--seed", "-1"],
                              "--seed = -1 must be in 0..2^63-1"),
-    "distill --seed past 63 bits": ("train.py", DISTILL + ["--seed", str(2 ** 63)], f"--seed = {2 ** 63} must be in "
+    "distill --seed past 63 bits": ("dflash-train", DISTILL + ["--seed", str(2 ** 63)], f"--seed = {2 ** 63} must be in "
                                     "0..2^63-1"),
-    "prompts --source self --seed -1": ("train.py", ["prompts", "--source", "self", "--target", "{l}", "--out",
+    "prompts --source self --seed -1": ("dflash-train", ["prompts", "--source", "self", "--target", "{l}", "--out",
                                                      "{tmp}/p.json.xz", "--seed", "-1"],
                                         "--seed = -1 must be in 0..2^63-1"),
-    "evaluation --out a file": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{data}"],
+    "evaluation --out a file": ("dflash-eval", ["--target", "{t}", "--draft", "{d}", "--out", "{data}"],
                                 "--out {data} is a file; give a directory for eval.json"),
-    "evaluation --limit -3": ("evaluation.py", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--limit",
+    "evaluation --limit -3": ("dflash-eval", ["--target", "{t}", "--draft", "{d}", "--out", "{tmp}/e", "--limit",
                                                 "-3"], "--limit = -3 must be at least 1"),
-    "train --time-budget 0": ("train.py", TRAIN + ["--time-budget", "0"],
+    "train --time-budget 0": ("dflash-train", TRAIN + ["--time-budget", "0"],
                               "--time-budget = 0.0 must be positive and finite"),
-    "train --time-budget inf": ("train.py", TRAIN + ["--time-budget", "inf"],
+    "train --time-budget inf": ("dflash-train", TRAIN + ["--time-budget", "inf"],
                                 "--time-budget = inf must be positive and finite"),
-    "train --data missing": ("train.py", TRAIN + ["--data", "{tmp}/nowhere.pt"],
+    "train --data missing": ("dflash-train", TRAIN + ["--data", "{tmp}/nowhere.pt"],
                              "--data: no such file: {tmp}/nowhere.pt"),
-    "train --init missing": ("train.py", TRAIN + ["--init", "{tmp}/nowhere"], "--init '{tmp}/nowhere': no such "
+    "train --init missing": ("dflash-train", TRAIN + ["--init", "{tmp}/nowhere"], "--init '{tmp}/nowhere': no such "
                              "directory"),
-    "train without a mask id or tokenizer": ("train.py", TRAIN_NO_MASK,
+    "train without a mask id or tokenizer": ("dflash-train", TRAIN_NO_MASK,
                                              "--target '{l}' has no tokenizer: pass --mask-token-id"),
-    "train --target /nonexistent": ("train.py", TRAIN + ["--target", "/nonexistent"],
+    "train --target /nonexistent": ("dflash-train", TRAIN + ["--target", "/nonexistent"],
                                     "--target '/nonexistent': no such directory"),
-    "distill --batch-size 0": ("train.py", DISTILL + ["--batch-size", "0"], "--batch-size = 0 must be at least 1"),
-    "distill --skip-prompts -1": ("train.py", DISTILL + ["--skip-prompts", "-1"],
+    "distill --batch-size 0": ("dflash-train", DISTILL + ["--batch-size", "0"], "--batch-size = 0 must be at least 1"),
+    "distill --skip-prompts -1": ("dflash-train", DISTILL + ["--skip-prompts", "-1"],
                                   "--skip-prompts = -1 must be at least 0"),
-    "distill --temperatures -1": ("train.py", DISTILL + ["--temperatures", "0", "-1"],
+    "distill --temperatures -1": ("dflash-train", DISTILL + ["--temperatures", "0", "-1"],
                                   "--temperatures: [-1.0] must be finite and ≥ 0 (0 is greedy)"),
-    "distill --temperatures nan": ("train.py", DISTILL + ["--temperatures", "nan"],
+    "distill --temperatures nan": ("dflash-train", DISTILL + ["--temperatures", "nan"],
                                    "--temperatures: [nan] must be finite and ≥ 0 (0 is greedy)"),
-    "distill --time-budget 0": ("train.py", DISTILL + ["--time-budget", "0"],
+    "distill --time-budget 0": ("dflash-train", DISTILL + ["--time-budget", "0"],
                                 "--time-budget = 0.0 must be positive and finite"),
-    "distill --out a directory": ("train.py", DISTILL + ["--out", "{tmp}"],
+    "distill --out a directory": ("dflash-train", DISTILL + ["--out", "{tmp}"],
                                   "--out '{tmp}' must name a file (it is a directory)"),
-    "distill --out exists": ("train.py", DISTILL + ["--out", "{data}"], "--out '{data}' exists: pass --resume to "
+    "distill --out exists": ("dflash-train", DISTILL + ["--out", "{data}"], "--out '{data}' exists: pass --resume to "
                              "keep its answers and add to them, or give another file"),
-    "prompts --source stdlib with --seed": ("train.py", ["prompts", "--source", "stdlib", "--target", "{l}", "--out",
+    "prompts --source stdlib with --seed": ("dflash-train", ["prompts", "--source", "stdlib", "--target", "{l}", "--out",
                                             "{tmp}/p.json.xz", "--seed", "3", "--temperature", "0.5"],
                                             "--temperature, --seed: only --source self samples; --source stdlib "
                                             "reads its prompts"),
-    "prompts --source file without --file": ("train.py", ["prompts", "--source", "file", "--target", "{l}", "--out",
+    "prompts --source file without --file": ("dflash-train", ["prompts", "--source", "file", "--target", "{l}", "--out",
                                              "{tmp}/p.json.xz"], "--source file needs --file (a text file, one "
                                              "prompt a line, or a JSON list of strings)"),
-    "prompts --file with --source stdlib": ("train.py", ["prompts", "--source", "stdlib", "--file", "{tmp}/mine.txt",
+    "prompts --file with --source stdlib": ("dflash-train", ["prompts", "--source", "stdlib", "--file", "{tmp}/mine.txt",
                                             "--target", "{l}", "--out", "{tmp}/p.json.xz"],
                                             "--file names the prompts of --source file (and only of it)"),
-    "prompts --file missing": ("train.py", ["prompts", "--source", "file", "--file", "{tmp}/none.txt", "--target",
+    "prompts --file missing": ("dflash-train", ["prompts", "--source", "file", "--file", "{tmp}/none.txt", "--target",
                                "{l}", "--out", "{tmp}/p.json.xz"], "--file: {tmp}/none.txt not found"),
-    "prompts --num-prompts 0": ("train.py", ["prompts", "--source", "stdlib", "--num-prompts", "0", "--target", "{l}",
+    "prompts --num-prompts 0": ("dflash-train", ["prompts", "--source", "stdlib", "--num-prompts", "0", "--target", "{l}",
                                 "--out", "{tmp}/p.json.xz"], "--num-prompts = 0 must be at least 1"),
-    "prompts --out empty": ("train.py", ["prompts", "--target", "{l}", "--out", ""],
+    "prompts --out empty": ("dflash-train", ["prompts", "--target", "{l}", "--out", ""],
                             "--out '' must name a file (it is empty)"),
-    "distill without tokenizer": ("train.py", DISTILL, "--target '{l}': no tokenizer (prompts need its chat "
+    "distill without tokenizer": ("dflash-train", DISTILL, "--target '{l}': no tokenizer (prompts need its chat "
                                   "template)"),
-    "distill --device tpu": ("train.py", DISTILL + ["--device", "tpu"],
+    "distill --device tpu": ("dflash-train", DISTILL + ["--device", "tpu"],
                              "--device = 'tpu' is not a device torch knows (cpu, cuda, cuda:N, ...)"),
     # the GPU benchmarks check their flags before they look for CUDA
-    "bench --new-tokens 5": ("bench.py", ["--new-tokens", "5"], "--new-tokens = 5 must be at least 25 (a row is "
+    "bench --new-tokens 5": ("benchmarks/bench.py", ["--new-tokens", "5"], "--new-tokens = 5 must be at least 25 (a row is "
                              "the median of its steps after the first 4, 20 at least)"),
-    "bench --prompt-len 0": ("bench.py", ["--prompt-len", "0"], "--prompt-len = 0 must be at least 1"),
-    "bench past the positions": ("bench.py", ["--prompt-len", "4000", "--new-tokens", "90"], "--prompt-len + "
+    "bench --prompt-len 0": ("benchmarks/bench.py", ["--prompt-len", "0"], "--prompt-len = 0 must be at least 1"),
+    "bench past the positions": ("benchmarks/bench.py", ["--prompt-len", "4000", "--new-tokens", "90"], "--prompt-len + "
                                  "--new-tokens = 4090 (at least 64 for the HF rows) leaves no room for a block in "
                                  "the target's 4096 positions"),
-    "bench past the positions in the HF rows": ("bench.py", ["--prompt-len", "4020", "--new-tokens", "30"],
+    "bench past the positions in the HF rows": ("benchmarks/bench.py", ["--prompt-len", "4020", "--new-tokens", "30"],
                                                 "--prompt-len + --new-tokens = 4050 (at least 64 for the HF rows) "
                                                 "leaves no room for a block in the target's 4096 positions"),
-    "bench --skip misspelt": ("bench.py", ["--skip", "fast, dflash_ref"], "--skip: ['dflash_ref'] are not rows; "
+    "bench --skip misspelt": ("benchmarks/bench.py", ["--skip", "fast, dflash_ref"], "--skip: ['dflash_ref'] are not rows; "
                               "use fast, fast-ar, steps, dflash2, sampled, layers, dflash-ref, hf-eager, hf-static-compile"),
-    "bench --out in a missing dir": ("bench.py", ["--out", "{tmp}/nowhere/b.json"],
+    "bench --out in a missing dir": ("benchmarks/bench.py", ["--out", "{tmp}/nowhere/b.json"],
                                      "--out {tmp}/nowhere/b.json: its directory does not exist"),
-    "bench_train --steps 0": ("bench_train.py", ["--steps", "0"], "--steps = 0 must be at least 1"),
-    "bench_train --train-batch 65": ("bench_train.py", ["--train-batch", "65"], "--train-batch = 65 must be at "
+    "bench_train --steps 0": ("benchmarks/bench_train.py", ["--steps", "0"], "--steps = 0 must be at least 1"),
+    "bench_train --train-batch 65": ("benchmarks/bench_train.py", ["--train-batch", "65"], "--train-batch = 65 must be at "
                                      "most 64 (the sequences a step draws from)"),
-    "bench_train --skip hf-eager": ("bench_train.py", ["--skip", "hf-eager"], "--skip: ['hf-eager'] are not rows; "
+    "bench_train --skip hf-eager": ("benchmarks/bench_train.py", ["--skip", "hf-eager"], "--skip: ['hf-eager'] are not rows; "
                                     "use distill, hf, train"),
-    "conformance --kit missing": ("conformance.py", ["--kit", "{tmp}/nokit", "check", "{data}", "--case", "laguna"],
+    "conformance --kit missing": ("dflash-conformance", ["--kit", "{tmp}/nokit", "check", "{data}", "--case", "laguna"],
                                   "--kit '{tmp}/nokit': no such directory"),
-    "conformance --kit a file": ("conformance.py", ["--kit", "{data}", "write"], "--kit '{data}' is a file"),
-    "conformance dump-fastpath --out in a missing dir": ("conformance.py", ["dump-fastpath", "--case", "laguna",
+    "conformance --kit a file": ("dflash-conformance", ["--kit", "{data}", "write"], "--kit '{data}' is a file"),
+    "conformance dump-fastpath --out in a missing dir": ("dflash-conformance", ["dump-fastpath", "--case", "laguna",
                                                                            "--out", "{tmp}/no/x.safetensors"],
                                                          "--out '{tmp}/no/x.safetensors' must name a file in a "
                                                          "directory that exists"),
-    "conformance --case outside the kit": ("conformance.py", ["check", "{data}", "--case", "../conformance/laguna"],
+    "conformance --case outside the kit": ("dflash-conformance", ["check", "{data}", "--case", "../conformance/laguna"],
                                            re.compile(r"--case = '\.\./conformance/laguna' is not in .*")),
-    "bench_train --out a dir": ("bench_train.py", ["--out", "{tmp}"], "--out {tmp} is a directory; give a file name"),
+    "bench_train --out a dir": ("benchmarks/bench_train.py", ["--out", "{tmp}"], "--out {tmp} is a directory; give a file name"),
 }
 # Run through a real subprocess as well, so that the exit code is the interpreter's.
 IN_A_SUBPROCESS = {"--num-drafts 9", "--target /nonexistent", "--prompt-ids negative, fastpath", "train --heldout 99",
@@ -401,9 +408,9 @@ CATALOG = sorted(BAD_CHECKPOINTS) + sorted(BAD_FLAGS)
 
 
 def cli_main(script):
-    return {"dflash.py": cli.main, "fastpath.py": lambda argv: cli.main(argv, generate_fn=fastpath.generate),
-            "train.py": train.main, "evaluation.py": evaluation.main, "bench.py": bench.main,
-            "bench_train.py": bench_train.main, "conformance.py": conformance.main}[script]
+    return {"dflash.py": demo.main, "fastpath.py": lambda argv: demo.main(argv, generate_fn=fastpath.generate),
+            "dflash-train": train.main, "dflash-eval": evaluation.main, "benchmarks/bench.py": bench.main,
+            "benchmarks/bench_train.py": bench_train.main, "dflash-conformance": checker.main}[script]
 
 
 @pytest.mark.parametrize("case", CATALOG)
@@ -422,7 +429,7 @@ def test_bad_input_catalog(catalog_paths, tmp_path, capsys, case):
     argv = [a.format(**names) for a in argv]
     message = message if isinstance(message, re.Pattern) else "error: " + message.format(**names)
     with pytest.raises(SystemExit) as exit:
-        cli.run(cli_main(script), argv=argv)
+        scripts.run(cli_main(script), argv=argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]
@@ -447,9 +454,9 @@ def test_default_num_drafts_caps_k_on_every_cpu_spelling():
     """The CLI's K when none is asked for: block_size - 1 on CUDA, at most CPU_NUM_DRAFTS on CPU, however the
     CPU device is written."""
     for device in ("cpu", "cpu:0", torch.device("cpu")):
-        assert cli.default_num_drafts(16, str(device)) == cli.CPU_NUM_DRAFTS
-    assert cli.default_num_drafts(4, "cpu") == 3
-    assert cli.default_num_drafts(16, "cuda:0") == 15
+        assert scripts.default_num_drafts(16, str(device)) == scripts.CPU_NUM_DRAFTS
+    assert scripts.default_num_drafts(4, "cpu") == 3
+    assert scripts.default_num_drafts(16, "cuda:0") == 15
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["text", "json"])
@@ -460,8 +467,8 @@ def test_cli_ctrl_c_before_the_first_token_still_ends_as_an_interrupt(checkpoint
 
     def interrupted_load(*args, **kwargs):
         raise KeyboardInterrupt
-    with mock.patch.object(checkpoint, "load_drafter", interrupted_load), pytest.raises(SystemExit) as exit:
-        cli.main(spec_args(checkpoints["qwen3"], draft, *json_flag))
+    with mock.patch.object(loading, "load_drafter", interrupted_load), pytest.raises(SystemExit) as exit:
+        demo.main(spec_args(checkpoints["qwen3"], draft, *json_flag))
     assert exit.value.code == 130
     captured = capsys.readouterr()
     if json_flag:
@@ -471,7 +478,7 @@ def test_cli_ctrl_c_before_the_first_token_still_ends_as_an_interrupt(checkpoint
         assert captured.out == "" and captured.err.strip() == "interrupted"
 
 
-@pytest.mark.parametrize("script", ["dflash.py", "fastpath.py", "train.py", "evaluation.py", "conformance.py"])
+@pytest.mark.parametrize("script", ["dflash.py", "fastpath.py", "dflash-train", "dflash-eval", "dflash-conformance"])
 def test_ctrl_c_while_the_modules_import_ends_with_exit_130(tmp_path, script):
     """SIGINT while a script is still importing transformers ends it with exit code 130 and no traceback. The
     signal is sent by an import hook (sitecustomize) as the import of transformers begins, so that it
@@ -488,7 +495,7 @@ def test_ctrl_c_while_the_modules_import_ends_with_exit_130(tmp_path, script):
         sys.meta_path.insert(0, InterruptTransformers())
     """))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(HERE / script), "--help"], capture_output=True, text=True, env=env,
+    result = subprocess.run([*command_line(script), "--help"], capture_output=True, text=True, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "usage" not in result.stdout
@@ -511,7 +518,7 @@ def test_cli_ctrl_c_prints_the_partial_result_and_exits_130(checkpoints, tmp_pat
         return dflash.generate(*args, on_tokens=on_round, **kwargs)
 
     with pytest.raises(SystemExit) as exit:
-        cli.main(spec_args(checkpoints["qwen3"], draft, "--max-new-tokens", "40", *json_flag),
+        demo.main(spec_args(checkpoints["qwen3"], draft, "--max-new-tokens", "40", *json_flag),
                     generate_fn=interrupted_generate)
     assert exit.value.code == 130
     out = capsys.readouterr().out
@@ -558,7 +565,7 @@ def test_cli_ctrl_c_in_a_real_process(tmp_path):
 
 def test_printer_prints_a_round_whole_before_ctrl_c():
     """Ctrl-C that arrives while the CLI prints a round is raised once the round is printed and counted
-    (cli.printer's `seen`), so the text and the token count in the stats never part; the handler in
+    (demo.printer's `seen`), so the text and the token count in the stats never part; the handler in
     place before is back afterwards. Python's own handler is installed for the test, as an interactive
     run has it: a background job of a non-interactive shell starts with SIGINT ignored."""
     printed = []
@@ -569,7 +576,7 @@ def test_printer_prints_a_round_whole_before_ctrl_c():
             pass
         printed.append(text)
 
-    stream = cli.printer(None)
+    stream = demo.printer(None)
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with mock.patch("builtins.print", interrupted_print), pytest.raises(KeyboardInterrupt):
@@ -584,10 +591,26 @@ def test_cli_flags_match_the_readme_table(capsys):
     """Every flag `python dflash.py` accepts is documented in README's usage table, and every flag the
     table documents exists."""
     with pytest.raises(SystemExit):
-        cli.parse_args(["--help"])
+        demo.parse_args(["--help"])
     accepted = set(re.findall(r"(--[a-z][a-z-]*)", capsys.readouterr().out)) - {"--help"}
     readme = (HERE / "README.md").read_text()
     table = readme[readme.index("| flag | meaning |"):]
     table = table[:table.index("\n\n")]
     documented = {flag for row in table.splitlines()[2:] for flag in re.findall(r"(--[a-z][a-z-]*)", row.split(" | ")[0])}
     assert accepted == documented, (sorted(accepted - documented), sorted(documented - accepted))
+
+
+def test_help_shows_every_default_and_names_the_implementation(capsys):
+    """--help shows each flag's default, 0 and 0.0 included, and says which file decodes: the reference or its
+    fast twin."""
+    def help_of(main, *argv):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        return " ".join(capsys.readouterr().out.split())
+    reference, fast = help_of(demo.main), help_of(lambda argv: demo.main(argv, description=demo.FAST))
+    assert "samples, losslessly (default: 0.0)" in reference and "0 keeps all (default: 0)" in reference
+    assert "through dflash.py, the readable reference" in reference
+    assert "through fastpath.py, the fast twin of dflash.py" in fast and "readable reference" not in fast
+    train_help = help_of(train.main, "train")
+    assert "AdamW weight decay (default: 0.0)" in train_help and "anchors drawn (default: 0)" in train_help
+    assert "in order (default: ['mtbench', 'humaneval'])" in help_of(evaluation.main)

@@ -1,4 +1,4 @@
-"""conformance.py: golden stage values for porters, and a checker that names the stage a port breaks."""
+"""conformance/checker.py: golden stage values for porters, and a checker that names the stage a port breaks."""
 import json
 import re
 from contextlib import ExitStack
@@ -8,25 +8,26 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import conformance
 import dflash
 from dflash import DFlashError
 from conftest import run_cli
+from dflash_reference import loading
+from dflash_reference.conformance import cases, checker
 
 
 def test_conformance_kit_regenerates_to_the_committed_files(tmp_path):
-    """`conformance.py write` from today's dflash.py gives the committed kit: the same checkpoints and
+    """`conformance/checker.py write` from today's dflash.py gives the committed kit: the same checkpoints and
     requests byte for byte, and stage values the checker passes (so the kit cannot drift from the reference)."""
-    conformance.write_kit(tmp_path)
-    for name in conformance.CASES:
-        fresh, committed = tmp_path / name, conformance.KIT / name
+    cases.write_kit(tmp_path)
+    for name in cases.CASES:
+        fresh, committed = tmp_path / name, cases.KIT / name
         for part in ("target", "drafter"):
             for file in ("config.json", "model.safetensors"):
                 assert (fresh / part / file).read_bytes() == (committed / part / file).read_bytes(), (name, part, file)
         assert json.loads((fresh / "case.json").read_text()) == json.loads((committed / "case.json").read_text())
         dump = load_file(fresh / "expected.safetensors") | {"acceptance_lengths": torch.tensor(
             json.loads((fresh / "case.json").read_text())["acceptance_lengths"])}
-        result = conformance.check(committed, dump)
+        result = checker.check(committed, dump)
         assert result["first"] is None and "missing" not in result["results"].values(), name
 
 
@@ -34,26 +35,26 @@ def test_an_interrupted_conformance_write_leaves_the_old_case_whole(tmp_path, mo
     """A write stopped after a new seed's models are written (here at the recording, as a Ctrl-C would)
     leaves every file of the case as it was; the next write clears what the stopped one left beside it."""
     import shutil
-    shutil.copytree(conformance.KIT / "laguna", tmp_path / "laguna")
+    shutil.copytree(cases.KIT / "laguna", tmp_path / "laguna")
     files = lambda: {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     before = files()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(conformance, "record_reference", interrupted)
+    monkeypatch.setattr(cases, "record_reference", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+        cases.write_case(tmp_path, "laguna", cases.CASES["laguna"], seed=7)
     left = {name: data for name, data in files().items() if name.startswith("laguna/")}
     assert left == before
     assert (tmp_path / "laguna.partial" / "target" / "model.safetensors").is_file()   # the new seed's, set aside
     monkeypatch.undo()
-    conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+    cases.write_case(tmp_path, "laguna", cases.CASES["laguna"], seed=7)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["laguna"]
     assert json.loads((tmp_path / "laguna" / "case.json").read_text())["seed"] >= 7
     (tmp_path / "laguna" / "my-dump.safetensors").write_bytes(b"mine")   # the case is replaced whole: refused
     with pytest.raises(DFlashError, match=r"laguna holds files a case does not \(my-dump.safetensors\); move them "
                                           r"or give another --kit"):
-        conformance.write_case(tmp_path, "laguna", conformance.CASES["laguna"], seed=7)
+        cases.write_case(tmp_path, "laguna", cases.CASES["laguna"], seed=7)
     assert (tmp_path / "laguna" / "my-dump.safetensors").read_bytes() == b"mine"
 
 
@@ -65,59 +66,59 @@ def test_every_case_covers_what_the_kit_promises():
     with a stop token accepted inside a block, and a DFlash2 one whose walk does it. Qwen3, Llama and Laguna
     targets; each accepts a draft within its recorded rounds; the sampled case alone records uniforms; every
     case holds each round's drafts; every pair stays small."""
-    specs = {n: json.loads((conformance.KIT / n / "case.json").read_text()) for n in conformance.CASES}
+    specs = {n: json.loads((cases.KIT / n / "case.json").read_text()) for n in cases.CASES}
     assert len(specs) == 11
-    families = {json.loads((conformance.KIT / n / "target" / "config.json").read_text())["model_type"] for n in specs}
+    families = {json.loads((cases.KIT / n / "target" / "config.json").read_text())["model_type"] for n in specs}
     assert families == {"qwen3", "llama", "laguna"}
     assert {(s["request"]["num_drafts"], s["request"]["full_block"]) for s in specs.values()} >= {(3, True), (3, False)}
     sampled = specs["sampled"]["request"]
     assert sampled["temperature"] > 0 and sampled["top_p"] < 1 and sampled["top_k"] > 0
-    target, drafter, _ = conformance.load_case(conformance.KIT / "sampled")   # draws the uniforms decide:
-    tokens = load_file(conformance.KIT / "sampled" / "expected.safetensors")["tokens"].tolist()
+    target, drafter, _ = cases.load_case(cases.KIT / "sampled")   # draws the uniforms decide:
+    tokens = load_file(cases.KIT / "sampled" / "expected.safetensors")["tokens"].tolist()
     assert tokens != dflash.generate(target, drafter, sampled["prompt_ids"], sampled["max_new_tokens"]).tokens
     assert len(set(tokens)) >= 4                                                   # not its greedy decode
     for name, spec in specs.items():
-        expected = load_file(conformance.KIT / name / "expected.safetensors")
-        assert any(int(expected[f"accepted.{r}"]) > 0 for r in range(1, conformance.ROUNDS + 1)
+        expected = load_file(cases.KIT / name / "expected.safetensors")
+        assert any(int(expected[f"accepted.{r}"]) > 0 for r in range(1, cases.ROUNDS + 1)
                    if f"accepted.{r}" in expected), name
         dflash2_stages = {"conv", "candidates", "selector_scores"}
-        stages = set(conformance.STAGES) - (set() if name.startswith("dflash2") else dflash2_stages) \
+        stages = set(cases.STAGES) - (set() if name.startswith("dflash2") else dflash2_stages) \
             - (set() if spec["request"]["temperature"] > 0 else {"uniforms"})   # greedy rounds draw nothing
         assert {k.rsplit(".", 1)[0] for k in expected} == stages | {"tokens", "round_drafts"}, name
         assert expected["round_drafts"].shape == (len(spec["acceptance_lengths"]), drafter_k(spec, name)), name
-        assert sum(p.stat().st_size for p in (conformance.KIT / name).rglob("*") if p.is_file()) < 600_000, name
+        assert sum(p.stat().st_size for p in (cases.KIT / name).rglob("*") if p.is_file()) < 600_000, name
     for name in ("high-acceptance", "dflash2-high-acceptance"):   # whole blocks accepted, in the recorded rounds
-        spec, expected = specs[name], load_file(conformance.KIT / name / "expected.safetensors")
+        spec, expected = specs[name], load_file(cases.KIT / name / "expected.safetensors")
         K = drafter_k(spec, name)
-        accepted = [int(expected[f"accepted.{r}"]) for r in range(1, conformance.ROUNDS + 1)
+        accepted = [int(expected[f"accepted.{r}"]) for r in range(1, cases.ROUNDS + 1)
                     if f"accepted.{r}" in expected]
         assert spec["tau"] > 5 and sum(a >= K - 1 for a in accepted) >= 5 and len(set(expected["tokens"].tolist())) == 7
         assert min(accepted) < K - 1, name                                          # and a round that rejects
     stop = specs["stop-in-block"]
-    tokens, lengths = load_file(conformance.KIT / "stop-in-block" / "expected.safetensors")["tokens"].tolist(), \
+    tokens, lengths = load_file(cases.KIT / "stop-in-block" / "expected.safetensors")["tokens"].tolist(), \
         stop["acceptance_lengths"]
     assert tokens[-1] in stop["request"]["stop_ids"] and tokens.count(tokens[-1]) == 1
     assert len(tokens) < stop["request"]["max_new_tokens"] and 1 + sum(lengths) > len(tokens) and lengths[-1] == 8
-    both_sides = json.loads((conformance.KIT / "zlab-new-bidirectional" / "drafter" / "config.json").read_text())
+    both_sides = json.loads((cases.KIT / "zlab-new-bidirectional" / "drafter" / "config.json").read_text())
     assert both_sides["dflash_config"]["causal"] is False and "target_layer_ids" not in both_sides["dflash_config"]
     assert "sliding_attention" in both_sides["layer_types"] and len({
         p["rope_theta"] for p in both_sides["rope_parameters"].values()}) == 2
-    window = json.loads((conformance.KIT / "zlab-new-window" / "drafter" / "config.json").read_text())
+    window = json.loads((cases.KIT / "zlab-new-window" / "drafter" / "config.json").read_text())
     assert len(specs["zlab-new-window"]["request"]["prompt_ids"]) > window["sliding_window"]
 
 
 def drafter_k(spec: dict, name: str) -> int:   # the case's drafts a round
-    raw = json.loads((conformance.KIT / name / "drafter" / "config.json").read_text())
+    raw = json.loads((cases.KIT / name / "drafter" / "config.json").read_text())
     block = raw.get("block_size") or raw["dflash_config"]["block_size"]
     return spec["request"]["num_drafts"] or block - 1
 
 
-@pytest.mark.parametrize("name", sorted(conformance.CASES))
+@pytest.mark.parametrize("name", sorted(cases.CASES))
 def test_fastpath_passes_every_conformance_case(name):
     """The twin's dump (float32, CPU) matches the kit at every stage of every case."""
-    target, drafter, spec = conformance.load_case(conformance.KIT / name)
-    result = conformance.check(conformance.KIT / name, conformance.record_fastpath(target, drafter, spec["request"]))
-    assert result["first"] is None and set(result["results"].values()) == {"ok"}, conformance.report(result)
+    target, drafter, spec = cases.load_case(cases.KIT / name)
+    result = checker.check(cases.KIT / name, cases.record_fastpath(target, drafter, spec["request"]))
+    assert result["first"] is None and set(result["results"].values()) == {"ok"}, checker.report(result)
 
 
 def patched(patches):
@@ -127,7 +128,7 @@ def patched(patches):
         with ExitStack() as stack:
             for patch in patches(drafter):
                 stack.enter_context(patch)
-            return conformance.record_reference(target, drafter, request)[0]
+            return cases.record_reference(target, drafter, request)[0]
     return run
 
 
@@ -137,7 +138,7 @@ def shifted_readout(target, drafter, request):
         hidden = dflash.draft_block(drafter_, ctx, target_.get_input_embeddings()(block))   # (W, H)
         return target_.get_output_embeddings()(hidden[:count]).argmax(-1), None            # (count,)
     with mock.patch.object(dflash, "propose", propose):   # patched first, so the recorder wraps it
-        return conformance.record_reference(target, drafter, request)[0]
+        return cases.record_reference(target, drafter, request)[0]
 
 
 def rejects_after_the_recorded_rounds(target, drafter, request):
@@ -147,17 +148,17 @@ def rejects_after_the_recorded_rounds(target, drafter, request):
 
     def verify(drafts, logits, sampling, uniforms, draft_probs=None):
         calls[0] += 1   # the prefill's, then one a round
-        late = calls[0] > conformance.ROUNDS + 1
+        late = calls[0] > cases.ROUNDS + 1
         return real_verify(drafts[:0] if late else drafts, logits[:1] if late else logits, sampling, uniforms,
                            None if late else draft_probs)
     with mock.patch.object(dflash, "verify", verify):   # patched first, so the recorder wraps it
-        return conformance.record_reference(target, drafter, request)[0]
+        return cases.record_reference(target, drafter, request)[0]
 
 
 def with_drafter_change(change):
     def run(target, drafter, request):
         change(drafter)
-        return conformance.record_reference(target, drafter, request)[0]
+        return cases.record_reference(target, drafter, request)[0]
     return run
 
 
@@ -179,7 +180,7 @@ def greedy_verifier(accepted_of):
 
     def run(target, drafter, request):
         with mock.patch.object(dflash, "verify", verify):   # patched first, so the recorder wraps it
-            return conformance.record_reference(target, drafter, request)[0]
+            return cases.record_reference(target, drafter, request)[0]
     return run
 
 
@@ -200,14 +201,14 @@ def test_greedy_cases_fail_a_verifier_that_compares_wrongly(name):
     match again after a miss. The designed cases name both in their first round."""
     passed = set()
     for case in GREEDY_CASES:
-        target, drafter, spec = conformance.load_case(conformance.KIT / case)
-        result = conformance.check(conformance.KIT / case, greedy_verifier(BROKEN_VERIFIERS[name])(target, drafter,
+        target, drafter, spec = cases.load_case(cases.KIT / case)
+        result = checker.check(cases.KIT / case, greedy_verifier(BROKEN_VERIFIERS[name])(target, drafter,
                                                                                                    spec["request"]))
         if result["first"] is None:
             passed.add(case)
         else:
-            assert result["first"]["stage"] == "accepted", conformance.report(result)
-            assert result["first"]["key"] == "accepted.1" or conformance.CASES[case].get("designed") is None
+            assert result["first"]["stage"] == "accepted", checker.report(result)
+            assert result["first"]["key"] == "accepted.1" or cases.CASES[case].get("designed") is None
     assert passed == ({"zlab-qwen3"} if name == "matches counted past the first miss" else set())
 
 
@@ -223,7 +224,7 @@ def convolution_carried_over(target, drafter, request):
         both = real(torch.cat([before, x]), torch.cat([taps, taps]), base, 2 * block)   # taps of the block's rows
         return both[block:]
     with mock.patch.object(dflash, "convolve", convolve):   # patched first, so the recorder wraps it
-        return conformance.record_reference(target, drafter, request)[0]
+        return cases.record_reference(target, drafter, request)[0]
 
 
 def walk_from_the_mask_token(target, drafter, request):
@@ -231,7 +232,7 @@ def walk_from_the_mask_token(target, drafter, request):
     real = dflash.CandidateSelector.forward
     with mock.patch.object(dflash.CandidateSelector, "forward",
                            lambda self, h, l, anchor, *rest: real(self, h, l, torch.full_like(anchor, 7), *rest)):
-        return conformance.record_reference(target, drafter, request)[0]
+        return cases.record_reference(target, drafter, request)[0]
 
 
 def codebooks_left_at_init(drafter):
@@ -249,7 +250,7 @@ def block_one_late(target, drafter, request):
         with mock.patch.object(drafter_, "rope_tables", lambda positions, dtype: tables(positions + 1, dtype)):
             return real(drafter_, ctx, block_embeds)
     with mock.patch.object(dflash, "draft_block", draft_block):   # patched first, so the recorder wraps it
-        return conformance.record_reference(target, drafter, request)[0]
+        return cases.record_reference(target, drafter, request)[0]
 
 
 BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must name, a word of its pitfall)
@@ -263,13 +264,13 @@ BROKEN_PORTS = {   # pitfall: (case, broken port, the stage the checker must nam
     "causality override ignored": ("zlab-new-bidirectional", with_drafter_change(lambda d: [
         setattr(layer, "causal", layer.window is not None) for layer in d.layers]), "hidden", "causality override"),
     "window on one side only": ("zlab-new-bidirectional", patched(lambda d: [mock.patch.object(
-        dflash, "visible_at", conformance.one_sided_visible_at)]), "hidden", "one side only"),
-    "one RoPE base for every layer": ("zlab-new-bidirectional", with_drafter_change(conformance.first_rope_base), "hidden",
+        dflash, "visible_at", checker.one_sided_visible_at)]), "hidden", "one side only"),
+    "one RoPE base for every layer": ("zlab-new-bidirectional", with_drafter_change(checker.first_rope_base), "hidden",
                                       "RoPE base"),
     "wrong layer index": ("zlab-qwen3", with_drafter_change(
         lambda d: setattr(d.config, "target_layer_ids", [i + 1 for i in d.config.target_layer_ids])),
         "features", "layer index"),
-    "bonus hidden state too early": ("zlab-qwen3", patched(conformance.bonus_row_early), "context", "too early"),
+    "bonus hidden state too early": ("zlab-qwen3", patched(checker.bonus_row_early), "context", "too early"),
     "readout shifted by one": ("k3-block-width", shifted_readout, "drafts", "shifted by one"),
     "sliding layer as full attention": ("zlab-new-window", with_drafter_change(set_each_layer(causal=False, window=None)),
                                         "hidden", "full attention"),
@@ -304,7 +305,7 @@ def sampling_port(change):
     def run(target, drafter, request):
         real_verify = dflash.verify
         with mock.patch.object(dflash, "verify", lambda *args: change(real_verify, *args[:4])):
-            return conformance.record_reference(target, drafter, request)[0]
+            return cases.record_reference(target, drafter, request)[0]
     return run
 
 
@@ -326,12 +327,12 @@ SAMPLING_PORTS = {
 def test_the_sampled_case_fails_each_broken_sampling_port(port):
     """The sampled case's draws are not forced: a port that gets any part of the sampling wrong differs
     somewhere, while the same port without the change conforms."""
-    target, drafter, spec = conformance.load_case(conformance.KIT / "sampled")
-    result = conformance.check(conformance.KIT / "sampled",
+    target, drafter, spec = cases.load_case(cases.KIT / "sampled")
+    result = checker.check(cases.KIT / "sampled",
                                sampling_port(SAMPLING_PORTS[port])(target, drafter, spec["request"]))
-    assert result["first"] is not None and "missing" not in result["results"].values(), conformance.report(result)
+    assert result["first"] is not None and "missing" not in result["results"].values(), checker.report(result)
     same = sampling_port(lambda verify, *args: verify(*args))(target, drafter, spec["request"])
-    assert conformance.check(conformance.KIT / "sampled", same)["first"] is None
+    assert checker.check(cases.KIT / "sampled", same)["first"] is None
 
 
 @pytest.mark.parametrize("pitfall", sorted(BROKEN_PORTS))
@@ -339,13 +340,13 @@ def test_checker_names_the_stage_each_pitfall_breaks(pitfall):
     """A dump from a port with each pitfall the engines have met is named at the stage where it first shows,
     with that stage's pitfall text; the same port without the pitfall passes."""
     name, port, stage, word = BROKEN_PORTS[pitfall]
-    target, drafter, spec = conformance.load_case(conformance.KIT / name)
-    result = conformance.check(conformance.KIT / name, port(target, drafter, spec["request"]))
-    assert result["first"] is not None and result["first"]["stage"] == stage, conformance.report(result)
+    target, drafter, spec = cases.load_case(cases.KIT / name)
+    result = checker.check(cases.KIT / name, port(target, drafter, spec["request"]))
+    assert result["first"] is not None and result["first"]["stage"] == stage, checker.report(result)
     assert "missing" not in result["results"].values() and word in result["first"]["pitfall"]
-    text = conformance.report(result)
+    text = checker.report(result)
     assert f"first difference: {result['first']['key']} ({stage}); usually" in text
-    if stage in conformance.MISTAKES:   # the replays name the one mistake made, among those tried
+    if stage in checker.MISTAKES:   # the replays name the one mistake made, among those tried
         found, tried = result["first"]["mistakes"]
         assert len(found) == 1 and found[0].startswith(DIAGNOSES[pitfall]) and len(tried) >= 2, text
         assert f"  {result['first']['key']} is what dflash.py computes with {found[0]}" in text
@@ -361,77 +362,77 @@ def stale_drafts_after_the_recorded_rounds(target, drafter, request):
         stale = last.get("drafts", drafts)[:count] if ctx.length >= threshold else drafts
         last["drafts"] = drafts
         return stale, q
-    threshold = len(request["prompt_ids"]) + sum(conformance.checkpoint.read_file(
-        conformance.KIT / "high-acceptance" / "case.json", "case")["acceptance_lengths"][:conformance.ROUNDS])
+    threshold = len(request["prompt_ids"]) + sum(loading.read_file(
+        cases.KIT / "high-acceptance" / "case.json", "case")["acceptance_lengths"][:cases.ROUNDS])
     with mock.patch.object(dflash, "propose", propose):   # patched first, so the recorder wraps it
-        return conformance.record_reference(target, drafter, request)[0]
+        return cases.record_reference(target, drafter, request)[0]
 
 
 def test_round_drafts_name_the_first_round_whose_drafts_differ_after_the_recorded_ones():
     """round_drafts holds every round's drafts: a port that verifies stale drafts after the recorded rounds,
     with every recorded stage and the tokens right, is named at round_drafts with its first round; a dump of
     the whole run's values alone (what a graphed run leaves) conforms when they match."""
-    target, drafter, spec = conformance.load_case(conformance.KIT / "high-acceptance")
-    result = conformance.check(conformance.KIT / "high-acceptance",
+    target, drafter, spec = cases.load_case(cases.KIT / "high-acceptance")
+    result = checker.check(cases.KIT / "high-acceptance",
                                stale_drafts_after_the_recorded_rounds(target, drafter, spec["request"]))
-    assert result["first"]["key"] == "round_drafts" and result["results"]["tokens"] == "ok", conformance.report(result)
-    assert result["first"]["note"].startswith(f"round {conformance.ROUNDS + 1} is the first whose drafts differ")
-    assert all(outcome == "ok" for key, outcome in result["results"].items() if key not in conformance.WHOLE_RUN)
-    full = conformance.record_fastpath(target, drafter, spec["request"])
-    whole = conformance.check(conformance.KIT / "high-acceptance", {k: full[k] for k in conformance.WHOLE_RUN})
-    assert conformance.verdict(whole) and whole["compared"] == 3
+    assert result["first"]["key"] == "round_drafts" and result["results"]["tokens"] == "ok", checker.report(result)
+    assert result["first"]["note"].startswith(f"round {cases.ROUNDS + 1} is the first whose drafts differ")
+    assert all(outcome == "ok" for key, outcome in result["results"].items() if key not in cases.WHOLE_RUN)
+    full = cases.record_fastpath(target, drafter, spec["request"])
+    whole = checker.check(cases.KIT / "high-acceptance", {k: full[k] for k in cases.WHOLE_RUN})
+    assert checker.verdict(whole) and whole["compared"] == 3
 
 
 def test_checker_gives_no_verdict_on_tokens_alone_and_says_how_much_it_compared():
     """A dump of tokens and acceptance lengths alone is given no verdict, even when both match: a drafter
     bug does not change the tokens the target verifies. The report says how much of the case was compared."""
-    target, drafter, spec = conformance.load_case(conformance.KIT / "zlab-qwen3")
-    full = conformance.record_fastpath(target, drafter, spec["request"])
-    result = conformance.check(conformance.KIT / "zlab-qwen3", {k: full[k] for k in ("tokens", "acceptance_lengths")})
-    assert result["first"] is None and not conformance.verdict(result)
-    text = conformance.report(result)
+    target, drafter, spec = cases.load_case(cases.KIT / "zlab-qwen3")
+    full = cases.record_fastpath(target, drafter, spec["request"])
+    result = checker.check(cases.KIT / "zlab-qwen3", {k: full[k] for k in ("tokens", "acceptance_lengths")})
+    assert result["first"] is None and not checker.verdict(result)
+    text = checker.report(result)
     assert "no verdict: only tokens and acceptance_lengths were compared" in text
     assert f"compared 2 of the case's {result['total']} values" in text and result["total"] > 40
-    assert conformance.verdict(conformance.check(conformance.KIT / "zlab-qwen3", full))
+    assert checker.verdict(checker.check(cases.KIT / "zlab-qwen3", full))
 
 
 def test_a_bf16_dump_fails_at_float32_tolerances_and_passes_at_a_bf16_one():
     """The case's float32 values rounded to bf16 differ at its own tolerances; one tolerance for the float
     stages (3e-2, as `check --tolerance` takes it) lets them pass while the exact stages stay exact."""
-    target, drafter, spec = conformance.load_case(conformance.KIT / "dflash2")
-    full = conformance.record_fastpath(target, drafter, spec["request"])
+    target, drafter, spec = cases.load_case(cases.KIT / "dflash2")
+    full = cases.record_fastpath(target, drafter, spec["request"])
     rounded = {k: v.to(torch.bfloat16).float() if v.is_floating_point() else v for k, v in full.items()}
-    assert conformance.check(conformance.KIT / "dflash2", rounded)["first"] is not None
-    assert conformance.verdict(conformance.check(conformance.KIT / "dflash2", rounded, tolerance=3e-2))
+    assert checker.check(cases.KIT / "dflash2", rounded)["first"] is not None
+    assert checker.verdict(checker.check(cases.KIT / "dflash2", rounded, tolerance=3e-2))
     wrong = rounded | {"drafts.1": rounded["drafts.1"].flip(0)}
-    assert conformance.check(conformance.KIT / "dflash2", wrong, tolerance=3e-2)["first"]["stage"] == "drafts"
+    assert checker.check(cases.KIT / "dflash2", wrong, tolerance=3e-2)["first"]["stage"] == "drafts"
 
 
 def test_checker_points_at_the_capture_and_the_round():
     """A features column that differs is named by its capture and target layer; acceptance lengths that
     part, by their first differing round, whatever their lengths."""
-    target, drafter, spec = conformance.load_case(conformance.KIT / "zlab-qwen3")
-    full = conformance.record_fastpath(target, drafter, spec["request"])
+    target, drafter, spec = cases.load_case(cases.KIT / "zlab-qwen3")
+    full = cases.record_fastpath(target, drafter, spec["request"])
     H = drafter.config.hidden_size
     features = full["features.0"].clone()
     features[2, H + 3] += 1.0                                                       # capture 1's column 3
-    result = conformance.check(conformance.KIT / "zlab-qwen3", {"features.0": features})
+    result = checker.check(cases.KIT / "zlab-qwen3", {"features.0": features})
     layer = drafter.config.target_layer_ids[1]
     assert result["first"]["note"] == (f"column {H + 3} is capture 1 of {len(drafter.config.target_layer_ids)}: "
                                        f"the output of target layer {layer} (0-based; HF hidden_states[{layer + 1}]), "
                                        "row 2 its position")
     lengths = full["acceptance_lengths"].tolist()
     changed = torch.tensor(lengths[:4] + [lengths[4] + 1] + lengths[5:] + [1])
-    result = conformance.check(conformance.KIT / "zlab-qwen3", {"acceptance_lengths": changed})
+    result = checker.check(cases.KIT / "zlab-qwen3", {"acceptance_lengths": changed})
     assert result["first"]["note"] == "round 5 is the first whose acceptance length differs"
 
 
 def test_checker_lets_near_tied_top5_ids_come_in_either_order():
     """top5_ids are exact, but ranks whose expected logits tie within the logits' tolerance may come in either
     order (sampled, round 4, row 1: ranks 3 and 4 lie 2e-4 apart); ranks further apart may not."""
-    target, drafter, spec = conformance.load_case(conformance.KIT / "sampled")
-    dump = conformance.record_fastpath(target, drafter, spec["request"])
-    expected = load_file(conformance.KIT / "sampled" / "expected.safetensors")
+    target, drafter, spec = cases.load_case(cases.KIT / "sampled")
+    dump = cases.record_fastpath(target, drafter, spec["request"])
+    expected = load_file(cases.KIT / "sampled" / "expected.safetensors")
     gaps = expected["top5_logits.4"][1, :-1] - expected["top5_logits.4"][1, 1:]
     assert gaps[2] < 1e-3 < min(gaps[0], gaps[1], gaps[3])
     for ranks, conforms in (([2, 3], True), ([0, 1], False)):   # the tied pair with its logits; ids alone
@@ -440,8 +441,8 @@ def test_checker_lets_near_tied_top5_ids_come_in_either_order():
         swapped["top5_ids.4"][1, ranks] = dump["top5_ids.4"][1, ranks[::-1]]
         if conforms:
             swapped["top5_logits.4"][1, ranks] = dump["top5_logits.4"][1, ranks[::-1]]
-        result = conformance.check(conformance.KIT / "sampled", swapped)
-        assert (result["first"] is None) == conforms, conformance.report(result)
+        result = checker.check(cases.KIT / "sampled", swapped)
+        assert (result["first"] is None) == conforms, checker.report(result)
         assert conforms or result["first"]["key"] == "top5_ids.4"
 
 
@@ -449,21 +450,21 @@ def test_checker_takes_any_subset_and_the_cli_reports_it(tmp_path):
     """A dump of a few stages is checked on those alone (the rest reported missing); the CLI exits 0 when
     they match and 1 when one differs, naming it, or when it holds none of the case's keys (misnamed); an
     unknown case is one error line, exit 2."""
-    target, drafter, spec = conformance.load_case(conformance.KIT / "laguna")
-    full = conformance.record_fastpath(target, drafter, spec["request"])
+    target, drafter, spec = cases.load_case(cases.KIT / "laguna")
+    full = cases.record_fastpath(target, drafter, spec["request"])
     subset = {k: v for k, v in full.items() if k.startswith(("drafts.", "accepted.")) or k == "tokens"}
     save_file(subset, tmp_path / "subset.safetensors")
-    good = run_cli("check", str(tmp_path / "subset.safetensors"), "--case", "laguna", script="conformance.py")
+    good = run_cli("check", str(tmp_path / "subset.safetensors"), "--case", "laguna", script="dflash-conformance")
     assert good.returncode == 0 and "conforms: every stage given matches" in good.stdout
     assert re.search(r"^  features\.0 +missing$", good.stdout, re.M)
     subset["drafts.2"] = subset["drafts.2"].flip(0) if len(subset["drafts.2"]) > 1 else subset["drafts.2"] + 1
     save_file(subset, tmp_path / "bad.safetensors")
-    bad = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "laguna", script="conformance.py")
+    bad = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "laguna", script="dflash-conformance")
     assert bad.returncode == 1 and "first difference: drafts.2 (drafts); usually the readout" in bad.stdout
     save_file({f"drafts_{k.replace('.', '_')}": v for k, v in subset.items()}, tmp_path / "misnamed.safetensors")
-    misnamed = run_cli("check", str(tmp_path / "misnamed.safetensors"), "--case", "laguna", script="conformance.py")
+    misnamed = run_cli("check", str(tmp_path / "misnamed.safetensors"), "--case", "laguna", script="dflash-conformance")
     assert misnamed.returncode == 1 and "nothing compared: the dump holds none of the case's keys" in misnamed.stdout
-    unknown = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "nope", script="conformance.py")
+    unknown = run_cli("check", str(tmp_path / "bad.safetensors"), "--case", "nope", script="dflash-conformance")
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines()[-1].startswith(
         "error: --case = 'nope' is not in ")
 
@@ -472,13 +473,13 @@ def test_a_graphed_dump_needs_a_greedy_case_and_cuda(tmp_path):
     """`dump-fastpath --graphs` refuses a sampled case (a CUDA generator draws other uniforms) and, without
     CUDA, says so in one line: exit 2, no file written."""
     out = tmp_path / "g.safetensors"
-    sampled = run_cli("dump-fastpath", "--graphs", "--case", "sampled", "--out", str(out), script="conformance.py")
+    sampled = run_cli("dump-fastpath", "--graphs", "--case", "sampled", "--out", str(out), script="dflash-conformance")
     assert sampled.returncode == 2 and sampled.stderr.strip().splitlines()[-1] == (
         "error: --graphs: case sampled is sampled, and a CUDA generator draws other uniforms than the kit's CPU one; "
         "give a greedy case")
     if not torch.cuda.is_available():
         greedy = run_cli("dump-fastpath", "--graphs", "--case", "high-acceptance", "--out", str(out),
-                         script="conformance.py")
+                         script="dflash-conformance")
         assert greedy.returncode == 2 and greedy.stderr.strip().splitlines()[-1] == (
             "error: --graphs: no CUDA device (the graphs are captured on CUDA only)")
     assert not out.exists()
@@ -490,10 +491,10 @@ def test_graphed_fastpath_drafts_what_the_kit_drafts_round_by_round_on_cuda():
     """fastpath.py through its compiled, captured graphs (float32, CUDA) drafts every greedy case's drafts
     round by round, with its acceptance lengths and tokens: the kit's graphed-against-eager comparison. (The
     Laguna case's MoE target routes on the host, so its step runs eagerly and is not graphed.)"""
-    for name in conformance.CASES:
-        spec = json.loads((conformance.KIT / name / "case.json").read_text())
-        if spec["request"]["temperature"] > 0 or conformance.CASES[name]["target"] == "laguna":
+    for name in cases.CASES:
+        spec = json.loads((cases.KIT / name / "case.json").read_text())
+        if spec["request"]["temperature"] > 0 or cases.CASES[name]["target"] == "laguna":
             continue
-        dump = conformance.record_graphed(conformance.KIT / name, spec["request"])
-        result = conformance.check(conformance.KIT / name, dump, diagnose=False)
-        assert conformance.verdict(result) and result["compared"] == 3, (name, conformance.report(result))
+        dump = cases.record_graphed(cases.KIT / name, spec["request"])
+        result = checker.check(cases.KIT / name, dump, diagnose=False)
+        assert checker.verdict(result) and result["compared"] == 3, (name, checker.report(result))

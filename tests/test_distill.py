@@ -7,23 +7,20 @@ from unittest import mock
 import pytest
 import torch
 
-import checkpoint
-import cli
-import distill
-import packages
-import train
 from dflash import DFlashError
 from conftest import MASK, MAX_POS, VOCAB, assert_same_tokens, hf_greedy, run_train_cli, write_target
+from dflash_reference import loading, scripts
+from dflash_reference.training import distill, prompt_sources, train
 
 
 def test_distill_checks_the_length_against_the_positions_before_its_buffers(llama_data, tmp_path, monkeypatch, capsys):
     """distill refuses --max-prompt-tokens + --max-new-tokens past the target's positions, naming both flags,
     before it makes a decoder's buffers (sized by that sum: a large one ran out of memory first)."""
     path, target, _ = llama_data
-    monkeypatch.setattr(cli, "load_target_and_tokenizer", lambda p, dtype, device: (target, None))
+    monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda p, dtype, device: (target, None))
     monkeypatch.setattr(distill, "BatchDecoder", lambda *a, **k: pytest.fail("buffers made before the check"))
     with pytest.raises(SystemExit) as exit:
-        cli.run(train.main, argv=["distill", "--target", str(path), "--out", str(tmp_path / "a.pt"),
+        scripts.run(train.main, argv=["distill", "--target", str(path), "--out", str(tmp_path / "a.pt"),
                                          "--device", "cpu", "--max-new-tokens", "40000"])
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
@@ -63,7 +60,7 @@ def test_damaged_data_and_prompt_files_end_in_one_line(llama_data, tmp_path):
                                                       f"another target?)")
     (tmp_path / "p.json.xz").write_bytes(lzma.compress(json.dumps({"prompts": ["hi", 3], "indices": [0, 1]}).encode()))
     with pytest.raises(DFlashError, match="prompts must be strings, indices and max_prompt_tokens integers"):
-        distill.read_prompt_file(tmp_path / "p.json.xz")
+        prompt_sources.read_prompt_file(tmp_path / "p.json.xz")
 
 
 def test_distill_batches_equal_single_greedy(llama_data, monkeypatch):
@@ -91,7 +88,7 @@ def test_batch_decoder_equals_hf_greedy_prompt_by_prompt(tmp_path, family):
     takes the next prompt, prefilled two at a time, every 4 steps) give each prompt exactly HF's own
     greedy decode of it alone, float64, in the prompts' order; a stop token ends a row right after
     its first occurrence, and its row goes on to the next prompt."""
-    target = checkpoint.load_target(str(write_target(tmp_path / family, family)), torch.float64, "cpu")
+    target = loading.load_target(str(write_target(tmp_path / family, family)), torch.float64, "cpu")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9, 1, 33, 5)]
     decoder = distill.BatchDecoder(target, batch_size=3, capacity=120)
@@ -143,7 +140,7 @@ def test_batch_decoder_compiled_layers_trace_once_and_equal_eager(tmp_path):
     AOTAutograd, as inductor would take them: one trace serves all 6 layers, one the head (the prefill
     runs eagerly); greedy and sampled tokens equal the eager decoder's exactly (float32)."""
     from torch._dynamo.testing import CompileCounterWithBackend
-    target = checkpoint.load_target(str(write_target(tmp_path / "llama", "llama")), torch.float32, "cpu")
+    target = loading.load_target(str(write_target(tmp_path / "llama", "llama")), torch.float32, "cpu")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9, 1, 33)]
     eager, traced = (distill.BatchDecoder(target, batch_size=8, capacity=120) for _ in range(2))
@@ -160,7 +157,7 @@ def test_batch_decoder_runs_eagerly_where_the_compile_fails(tmp_path, capsys):
     """A backend that fails leaves the decoder eager, with a message, and the same tokens."""
     def broken(gm, example_inputs):
         raise RuntimeError("no backend here")
-    target = checkpoint.load_target(str(write_target(tmp_path / "qwen3", "qwen3")), torch.float32, "cpu")
+    target = loading.load_target(str(write_target(tmp_path / "qwen3", "qwen3")), torch.float32, "cpu")
     prompts = [[5, 6, 7], [8, 9]]
     eager, failing = (distill.BatchDecoder(target, batch_size=2, capacity=40) for _ in range(2))
     torch._dynamo.reset()
@@ -174,9 +171,9 @@ def test_training_prompts_leave_out_the_evaluation_sets(monkeypatch):
     out of the training prompts; the others keep their indices."""
     class Tok:
         chat_template = "x"
-    monkeypatch.setattr(distill, "encode_chat", lambda tokenizer, text: text.split())
-    monkeypatch.setattr(packages, "read_sharegpt", lambda all_turns=False: ["keep me", "  Write A  POEM ", "too " * 9, "and me"])
-    prompts, indices = distill.sharegpt_prompts(Tok(), None, 5, set(), True, {distill.normalized("write a poem")})
+    monkeypatch.setattr(loading, "encode_chat", lambda tokenizer, text: text.split())
+    monkeypatch.setattr(loading, "read_sharegpt", lambda all_turns=False: ["keep me", "  Write A  POEM ", "too " * 9, "and me"])
+    prompts, indices = prompt_sources.sharegpt_prompts(Tok(), None, 5, set(), True, {prompt_sources.normalized("write a poem")})
     assert (prompts, indices) == (["keep me", "and me"], [0, 3])
 
 
@@ -216,7 +213,7 @@ def test_code_prompts_are_stdlib_stubs_without_the_evaluation_sets(tmp_path):
         '''))
     (tmp_path / "zcopy.py").write_text('def area(width, height):\n    """Return the area of a width by height '
                                        'rectangle."""\n    return 0\n')
-    functions = distill.stdlib_functions(tmp_path)
+    functions = prompt_sources.stdlib_functions(tmp_path)
     assert [name for name, _ in functions] == ["area", "volume", "has_close_elements", "area"]
     assert functions[1][1] == ('def volume(self) -> float:\n    """The volume of the box, in cubic units.\n\n'
                                '    >>> Box().volume\n    1.0\n    """\n')
@@ -224,14 +221,14 @@ def test_code_prompts_are_stdlib_stubs_without_the_evaluation_sets(tmp_path):
         chat_template = "x"
     stub_lines = lambda tokenizer, text: text.splitlines()
     humaneval_like = "Complete the following Python function:\n```python\ndef has_close_elements(numbers, t):\n```"
-    excluded = {distill.normalized(packages.CODE_PROMPT.format(functions[1][1]))}   # as if an evaluation prompt
+    excluded = {prompt_sources.normalized(loading.CODE_PROMPT.format(functions[1][1]))}   # as if an evaluation prompt
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(distill, "encode_chat", stub_lines)
-        prompts, indices = distill.code_prompts(Tok(), 10, functions, set(), distill.defined_names(humaneval_like))
-        assert indices == [0, 1] and prompts[0] == packages.CODE_PROMPT.format(functions[0][1])
+        m.setattr(loading, "encode_chat", stub_lines)
+        prompts, indices = prompt_sources.code_prompts(Tok(), 10, functions, set(), prompt_sources.defined_names(humaneval_like))
+        assert indices == [0, 1] and prompts[0] == loading.CODE_PROMPT.format(functions[0][1])
         assert prompts[0].startswith("Complete the following Python function:\n```python\ndef area(")
-        assert distill.code_prompts(Tok(), 10, functions, excluded, set())[1] == [0, 2]
-        assert distill.code_prompts(Tok(), 6, functions, set(), set())[1] == [0, 2]   # volume's prompt is 9 lines
+        assert prompt_sources.code_prompts(Tok(), 10, functions, excluded, set())[1] == [0, 2]
+        assert prompt_sources.code_prompts(Tok(), 6, functions, set(), set())[1] == [0, 2]   # volume's prompt is 9 lines
 
 
 def test_self_prompts_keep_only_ended_new_turns_far_from_the_evaluation_sets():
@@ -258,7 +255,7 @@ def test_self_prompts_keep_only_ended_new_turns_far_from_the_evaluation_sets():
         def generate(self, prompts, max_new_tokens, stop_ids, temperature, seed):
             calls.append((prompts, max_new_tokens, stop_ids, temperature, seed))
             return [Tok().encode(t) for t in turns[4 * (len(calls) - 1):4 * len(calls)]]
-    prompts, indices, report = distill.self_prompts(Decoder(), Tok(), 4, 60, 0.9, 10, {ord("$")}, [evaluation],
+    prompts, indices, report = prompt_sources.self_prompts(Decoder(), Tok(), 4, 60, 0.9, 10, {ord("$")}, [evaluation],
                                                   {"has_close_elements"}, round_size=4)
     assert prompts == ["Plan a trip", "Sum a list", "A", "B"] and indices == [0, 7, 8, 9]
     assert report == {"sampled": 12, "left_out": {"no end": 1, "empty": 1, "repeated": 1,
@@ -267,7 +264,7 @@ def test_self_prompts_keep_only_ended_new_turns_far_from_the_evaluation_sets():
     prefix, room = Tok().encode("S|U:"), 60 - len("S|U:$A:")
     assert calls == [([prefix] * 4, room, {ord("$")}, 0.9, seed) for seed in (10, 11, 12)]
     calls.clear()   # an evaluation prompt of fewer than 8 words is left out where it matches exactly
-    assert distill.self_prompts(Decoder(), Tok(), 1, 60, 0.9, 0, {ord("$")}, ["plan a trip"], set(), 4) == (
+    assert prompt_sources.self_prompts(Decoder(), Tok(), 1, 60, 0.9, 0, {ord("$")}, ["plan a trip"], set(), 4) == (
         [], [], {"sampled": 4, "left_out": {"no end": 1, "empty": 1, "repeated": 0, "near an evaluation prompt": 2,
                                              "defines a HumanEval name": 0, "too long": 0}, "interrupted": False})
 
@@ -277,7 +274,7 @@ def test_self_prompts_keep_only_ended_new_turns_far_from_the_evaluation_sets():
                 raise KeyboardInterrupt
             return super().generate(*args)
     calls.clear()
-    assert distill.self_prompts(Stopped(), Tok(), 4, 60, 0.9, 10, {ord("$")}, [evaluation], set(), 4) == (
+    assert prompt_sources.self_prompts(Stopped(), Tok(), 4, 60, 0.9, 10, {ord("$")}, [evaluation], set(), 4) == (
         ["Plan a trip"], [0], {"sampled": 4, "left_out": {"no end": 1, "empty": 1, "repeated": 1,
                                                           "near an evaluation prompt": 0, "defines a HumanEval name": 0,
                                                           "too long": 0}, "interrupted": True})
@@ -287,22 +284,22 @@ def test_self_prompts_keep_only_ended_new_turns_far_from_the_evaluation_sets():
 def test_self_prompts_from_smollm2_are_its_own_user_turns(tmp_path):
     """With the real target on CPU, `prompts --source self` samples user turns after SmolLM2's own
     system turn and writes a prompt file that says how many it sampled and what it left out."""
-    target_dir = packages.ensure_smollm2()
-    tokenizer = cli.load_tokenizer(str(target_dir))
-    prefix = tokenizer.decode(distill.user_prefix(tokenizer))
+    target_dir = loading.ensure_smollm2()
+    tokenizer = loading.load_tokenizer(str(target_dir))
+    prefix = tokenizer.decode(prompt_sources.user_prefix(tokenizer))
     assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_start|>user\n")
-    assert distill.encode_chat(tokenizer, "Hi")[:len(distill.user_prefix(tokenizer))] == distill.user_prefix(tokenizer)
+    assert loading.encode_chat(tokenizer, "Hi")[:len(prompt_sources.user_prefix(tokenizer))] == prompt_sources.user_prefix(tokenizer)
     result = run_train_cli("prompts", "--source", "self", "--target", str(target_dir), "--out",
                            str(tmp_path / "self.json.xz"), "--num-prompts", "3", "--batch-size", "4",
                            "--max-prompt-tokens", "96", "--device", "cpu")
     assert result.returncode == 0, result.stderr
-    prompts, indices, meta = distill.read_prompt_file(tmp_path / "self.json.xz")
+    prompts, indices, meta = prompt_sources.read_prompt_file(tmp_path / "self.json.xz")
     assert len(prompts) == 3 and len(set(indices)) == 3 and all(p.strip() == p and p for p in prompts)
     sampling = meta["sampling"]
     assert sampling["sampled"] >= 3 + sum(sampling["left_out"].values()) and max(indices) < sampling["sampled"]
     assert f"sampled {sampling['sampled']} turns for 3 prompts" in result.stderr
-    assert not {distill.normalized(p) for p in prompts} & distill.evaluation_prompts()
-    assert all(len(distill.encode_chat(tokenizer, p)) <= 96 for p in prompts)
+    assert not {prompt_sources.normalized(p) for p in prompts} & prompt_sources.evaluation_prompts()
+    assert all(len(loading.encode_chat(tokenizer, p)) <= 96 for p in prompts)
 
 
 @pytest.mark.package
@@ -312,9 +309,9 @@ def test_interrupted_self_prompts_write_what_they_kept(tmp_path, monkeypatch, ca
     out = tmp_path / "self.json.xz"
     left_out = {"no end": 2, "empty": 0, "repeated": 0, "near an evaluation prompt": 0,
                 "defines a HumanEval name": 0, "too long": 0}
-    monkeypatch.setattr(cli, "load_tokenizer", lambda path: object())
+    monkeypatch.setattr(loading, "load_tokenizer", lambda path: object())
     for kept in ([], ["Plan a trip"], ["Plan a trip"]):
-        monkeypatch.setattr(distill, "sampled_prompts", lambda args, tokenizer: (
+        monkeypatch.setattr(prompt_sources, "sampled_prompts", lambda args, tokenizer, batch_decoder: (
             kept, list(range(len(kept))), {"sampled": 3, "left_out": left_out, "interrupted": True}))
         with pytest.raises(SystemExit) as exit:
             train.main(["prompts", "--source", "self", "--target", str(tmp_path), "--out", str(out)])
@@ -322,7 +319,7 @@ def test_interrupted_self_prompts_write_what_they_kept(tmp_path, monkeypatch, ca
         err = capsys.readouterr().err
         assert "interrupted: sampled 3 turns for " + f"{len(kept)} prompts; left out: 2 no end" in err
         if kept and "nothing written" not in err:
-            prompts, indices, meta = distill.read_prompt_file(out)
+            prompts, indices, meta = prompt_sources.read_prompt_file(out)
             assert prompts == kept and meta["sampling"]["interrupted"] is True
             out.write_bytes(b"a finished file")   # the next interrupted run leaves it as it was
         elif kept:
@@ -337,7 +334,7 @@ def test_prompts_that_keep_nothing_write_nothing(tmp_path):
     """`prompts` with a --max-prompt-tokens no stub fits (SmolLM2's chat template alone is longer) ends in
     one line and writes no file."""
     out = tmp_path / "none.json.xz"
-    result = run_train_cli("prompts", "--source", "stdlib", "--target", str(packages.ensure_smollm2()), "--out",
+    result = run_train_cli("prompts", "--source", "stdlib", "--target", str(loading.ensure_smollm2()), "--out",
                            str(out), "--max-prompt-tokens", "8")
     assert result.returncode == 2 and not out.exists()
     assert result.stderr.strip().splitlines()[-1] == "error: --source stdlib: no prompt fits --max-prompt-tokens " \
@@ -346,18 +343,18 @@ def test_prompts_that_keep_nothing_write_nothing(tmp_path):
 
 @pytest.mark.package
 def test_code_prompts_from_this_stdlib_leave_out_humaneval():
-    """The standard library's stubs, as `train.py prompts --source stdlib` makes them, share no prompt
+    """The standard library's stubs, as `dflash-train prompts --source stdlib` makes them, share no prompt
     with MT-Bench or HumanEval and pose no function that a HumanEval prompt defines."""
-    humaneval = packages.read_humaneval()
-    names = set().union(*map(distill.defined_names, humaneval))
-    assert all(map(distill.defined_names, humaneval)) and "has_close_elements" in names   # 161 names: some repeat
+    humaneval = loading.read_humaneval()
+    names = set().union(*map(prompt_sources.defined_names, humaneval))
+    assert all(map(prompt_sources.defined_names, humaneval)) and "has_close_elements" in names   # 161 names: some repeat
     class Tok:
         chat_template = "x"
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(distill, "encode_chat", lambda tokenizer, text: [0])
-        prompts, _ = distill.code_prompts(Tok(), 1, distill.stdlib_functions(), distill.evaluation_prompts(), names)
+        m.setattr(loading, "encode_chat", lambda tokenizer, text: [0])
+        prompts, _ = prompt_sources.code_prompts(Tok(), 1, prompt_sources.stdlib_functions(), prompt_sources.evaluation_prompts(), names)
     assert len(prompts) > 3000
-    assert not {distill.normalized(p) for p in prompts} & distill.evaluation_prompts()
+    assert not {prompt_sources.normalized(p) for p in prompts} & prompt_sources.evaluation_prompts()
     assert not any(f"def {name}(" in p for p in prompts for name in names)   # by text, not by defined_names
 
 
@@ -372,32 +369,32 @@ def test_prompts_from_a_file_keep_the_ones_that_fit_and_no_evaluation_prompt(lla
 
     class Tok:
         chat_template = "x"
-    monkeypatch.setattr(cli, "load_tokenizer", lambda path: Tok())
-    monkeypatch.setattr(distill, "encode_chat", lambda tokenizer, text: text.split())
-    monkeypatch.setattr(distill, "evaluation_prompts", lambda: {distill.normalized("Write a POEM")})
+    monkeypatch.setattr(loading, "load_tokenizer", lambda path: Tok())
+    monkeypatch.setattr(loading, "encode_chat", lambda tokenizer, text: text.split())
+    monkeypatch.setattr(prompt_sources, "evaluation_prompts", lambda: {prompt_sources.normalized("Write a POEM")})
     for name in ("mine.txt", "mine.json"):
         out = tmp_path / f"{name}.xz"
         train.main(["prompts", "--source", "file", "--file", str(tmp_path / name), "--target", str(path),
                     "--out", str(out), "--max-prompt-tokens", "8"])
-        prompts, got, meta = distill.read_prompt_file(out)
+        prompts, got, meta = prompt_sources.read_prompt_file(out)
         indices = [0, 3, 4]   # among the file's five prompts
         assert prompts == ["Tell me a story.", "Sum two numbers.", "And one more."] and got == indices
         train.main(["prompts", "--source", "file", "--file", str(tmp_path / name), "--target", str(path),
                     "--out", str(out), "--max-prompt-tokens", "8", "--num-prompts", "2"])
-        assert distill.read_prompt_file(out)[:2] == (prompts[:2], indices[:2])
+        assert prompt_sources.read_prompt_file(out)[:2] == (prompts[:2], indices[:2])
     (tmp_path / "bad.json").write_text('{"a": 1}')
     with pytest.raises(DFlashError, match="must hold a JSON list of strings"):
-        distill.text_prompts(tmp_path / "bad.json")
+        prompt_sources.text_prompts(tmp_path / "bad.json")
 
 
 def test_prompt_file_round_trips_and_a_bad_one_is_named(tmp_path):
-    distill.write_prompt_file(tmp_path / "p.json.xz", ["a", "b"], [3, 7], {"max_prompt_tokens": 256})
-    assert distill.read_prompt_file(tmp_path / "p.json.xz") == (["a", "b"], [3, 7], {"max_prompt_tokens": 256})
+    prompt_sources.write_prompt_file(tmp_path / "p.json.xz", ["a", "b"], [3, 7], {"max_prompt_tokens": 256})
+    assert prompt_sources.read_prompt_file(tmp_path / "p.json.xz") == (["a", "b"], [3, 7], {"max_prompt_tokens": 256})
     (tmp_path / "bad.json.xz").write_text("{}")
     with pytest.raises(DFlashError, match=r"prompt file: .*bad\.json\.xz is not xz-compressed JSON"):
-        distill.read_prompt_file(tmp_path / "bad.json.xz")
+        prompt_sources.read_prompt_file(tmp_path / "bad.json.xz")
     with pytest.raises(DFlashError, match="not found"):
-        distill.read_prompt_file(tmp_path / "none.json.xz")
+        prompt_sources.read_prompt_file(tmp_path / "none.json.xz")
 
 
 @pytest.mark.gpu
@@ -407,7 +404,7 @@ def test_batch_decoder_on_cuda_with_graphs(tmp_path, family):
     """On CUDA the decode step is one captured graph per temperature, its rows refilled between
     replays: in fp32 the graphed rows equal HF greedy
     prompt by prompt; sampled rows replay with new draws every step and reproduce for one seed."""
-    target = checkpoint.load_target(str(write_target(tmp_path / family, family)), torch.float32, "cuda")
+    target = loading.load_target(str(write_target(tmp_path / family, family)), torch.float32, "cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9, 1, 33)]
     decoder = distill.BatchDecoder(target, batch_size=4, capacity=120)
@@ -436,9 +433,9 @@ def test_sequences_round_trip_compactly(llama_data, tmp_path):
 @pytest.mark.package
 def test_distill_refuses_a_skip_past_the_prompts(tmp_path):
     """`distill --skip-prompts` past the end of the prompts is one line naming the flag, not an empty run."""
-    distill.write_prompt_file(tmp_path / "p.json.xz", ["Hi", "Hello"], [0, 1], {"source": "two prompts",
+    prompt_sources.write_prompt_file(tmp_path / "p.json.xz", ["Hi", "Hello"], [0, 1], {"source": "two prompts",
                                                                              "max_prompt_tokens": 256})
-    result = run_train_cli("distill", "--target", str(packages.ensure_smollm2()), "--prompts",
+    result = run_train_cli("distill", "--target", str(loading.ensure_smollm2()), "--prompts",
                            str(tmp_path / "p.json.xz"), "--out", str(tmp_path / "d.pt"), "--skip-prompts", "2",
                            "--device", "cpu")
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -451,9 +448,9 @@ def test_distill_resume_refuses_answers_from_another_source(tmp_path):
     """`distill --resume` keeps going only on the answers of the same prompts and target: answers made from
     another prompt file, whose indices would match, are refused with one line rather than taken as done."""
     for name, texts in (("a", ["Hi", "Hello"]), ("b", ["Name a colour.", "Count to three."])):
-        distill.write_prompt_file(tmp_path / f"{name}.json.xz", texts, [0, 1], {"source": f"prompts {name}",
+        prompt_sources.write_prompt_file(tmp_path / f"{name}.json.xz", texts, [0, 1], {"source": f"prompts {name}",
                                                                              "max_prompt_tokens": 256})
-    common = ["--target", str(packages.ensure_smollm2()), "--out", str(tmp_path / "d.pt"), "--max-new-tokens", "4",
+    common = ["--target", str(loading.ensure_smollm2()), "--out", str(tmp_path / "d.pt"), "--max-new-tokens", "4",
               "--device", "cpu"]
     first = run_train_cli("distill", "--prompts", str(tmp_path / "a.json.xz"), *common)
     assert first.returncode == 0, first.stderr
@@ -462,7 +459,7 @@ def test_distill_resume_refuses_answers_from_another_source(tmp_path):
     assert again.stderr.strip().endswith(f"error: --resume: {tmp_path / 'd.pt'} has source = prompts a, this run "
                                          "prompts b")
     assert len(distill.load_sequences(tmp_path / "d.pt")[0]) == 2
-    slash = [a + "/" if a == str(packages.ensure_smollm2()) else a for a in common]   # the same dir, written otherwise
+    slash = [a + "/" if a == str(loading.ensure_smollm2()) else a for a in common]   # the same dir, written otherwise
     more = run_train_cli("distill", "--prompts", str(tmp_path / "a.json.xz"), "--temperatures", "0", "0.8",
                          "--resume", *slash)
     assert more.returncode == 0, more.stderr

@@ -4,12 +4,9 @@ import json
 
 import pytest
 
-import checkpoint
-import cli
 import dflash
-import evaluation
-import packages
 from conftest import VOCAB, fresh_drafter
+from dflash_reference import evaluation, loading, scripts
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -19,13 +16,13 @@ def test_evaluation_checks_the_request_before_the_data_sets_load(catalog_paths, 
                                                                  argv, message):
     """evaluation.py refuses a request no prompt could run in one line, before it reads a data set or
     makes --out, with either implementation."""
-    monkeypatch.setattr(cli, "load_target_and_tokenizer",
-                        lambda path, dtype, device: (checkpoint.load_target(path, dtype, device), None))
+    monkeypatch.setattr(loading, "load_target_and_tokenizer",
+                        lambda path, dtype, device: (loading.load_target(path, dtype, device), None))
     def loaded():
         raise AssertionError("a data set was read")
-    monkeypatch.setattr(packages, "EVAL_DATASETS", {name: loaded for name in packages.EVAL_DATASETS})
+    monkeypatch.setattr(loading, "EVAL_DATASETS", {name: loaded for name in loading.EVAL_DATASETS})
     with pytest.raises(SystemExit) as exit:
-        cli.run(evaluation.main, argv=["--target", catalog_paths["t"], "--draft", catalog_paths["d"], "--out",
+        scripts.run(evaluation.main, argv=["--target", catalog_paths["t"], "--draft", catalog_paths["d"], "--out",
                                               str(tmp_path / "e"), "--device", "cpu", "--max-new-tokens", "8"] + argv)
     assert exit.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == "error: " + message
     assert not (tmp_path / "e").exists()
@@ -97,3 +94,31 @@ def test_training_plot_puts_the_phases_end_to_end():
               "history": [{"blocks": 7, "heldout_tau": 1.6}, {"blocks": 3}, {"blocks": 4, "heldout_tau": 1.8}]}
     points = evaluation.phase_points({"1": first, "2": second})
     assert points == {"1": [(20, 1.5)], "2": [(20, 1.4), (27, 1.6), (34, 1.8)]}
+
+
+def test_evaluation_saves_every_prompt_and_an_interrupt_keeps_them(catalog_paths, tmp_path, monkeypatch, capsys):
+    """eval.json is written after every prompt, so Ctrl-C (here on the third prompt) ends with exit 130 and
+    the file holding the two prompts run, marked interrupted; progress is printed before the warm-up."""
+    texts = ["1 2 3", "4 5", "6 7 8 9", "10"]
+    monkeypatch.setattr(loading, "load_target_and_tokenizer",
+                        lambda path, dtype, device: (loading.load_target(path, dtype, device), None))
+    monkeypatch.setattr(loading, "encode_chat", lambda tokenizer, text: [int(t) for t in text.split()])
+    monkeypatch.setattr(loading, "EVAL_DATASETS", {"mtbench": lambda: texts, "humaneval": lambda: texts})
+    real, calls = dflash.generate, []
+
+    def interrupted(target, drafter, ids, *args, **kwargs):
+        calls.append(ids)
+        if len(calls) == 2 + 2 * 2 + 1:   # warm-up (2 calls), two prompts (2 calls each), then the third's first
+            raise KeyboardInterrupt
+        return real(target, drafter, ids, *args, **kwargs)
+    monkeypatch.setattr(dflash, "generate", interrupted)
+    out = tmp_path / "e"
+    with pytest.raises(SystemExit) as exit:
+        evaluation.main(["--target", catalog_paths["t"], "--draft", catalog_paths["d"], "--out", str(out),
+                         "--device", "cpu", "--max-new-tokens", "8", "--datasets", "mtbench"])
+    assert exit.value.code == 130
+    report = json.loads((out / "eval.json").read_text())
+    assert report["interrupted"] is True and report["datasets"]["mtbench"]["prompts"] == 2
+    assert [p["prompt_tokens"] for p in report["datasets"]["mtbench"]["per_prompt"]] == [3, 2]
+    err = capsys.readouterr().err
+    assert err.index("warming up") < err.index("interrupted:") and "mtbench 2" in err

@@ -6,11 +6,11 @@ from unittest import mock
 import pytest
 import torch
 
-import checkpoint
 import dflash
 import fastpath
 from dflash import DFlashError
 from conftest import (FAMILIES, FORMATS, H, MAX_POS, T_LAYERS, VOCAB, assert_same_generation, assert_same_tokens, context_of, forward_with_capture, hf_greedy, run_both, target_config, targets32_for, write_drafter, write_target)
+from dflash_reference import loading
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -38,8 +38,8 @@ def test_target_stack_equals_model_forward(targets, family):
 def test_dense_targets_outside_the_dense_path_run_their_own_forward(tmp_path, family, extra):
     """Dense targets that DenseTarget does not cover (attention biases, sliding-window layers) run
     through the model's own forward, and fastpath still gives dflash.py's and HF's tokens."""
-    target = checkpoint.load_target(str(write_target(tmp_path / "t", family, **extra)), torch.float64, "cpu")
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=4)), target, torch.float64, "cpu")
+    target = loading.load_target(str(write_target(tmp_path / "t", family, **extra)), torch.float64, "cpu")
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=4)), target, torch.float64, "cpu")
     assert not fastpath.DenseTarget.supports(target)
     with closing(fastpath.Decoder(target, drafter, capacity=32, num_drafts=3)) as decoder:
         assert isinstance(decoder.target_stack, fastpath.ModelTarget)
@@ -117,8 +117,8 @@ def test_models_made_under_inference_mode_run_in_both_files(checkpoints, tmp_pat
     """A target and drafter loaded under torch.inference_mode: fastpath fuses their weights as inference
     tensors, and afterwards fastpath, dflash.py and the target's own forward still run, with equal tokens."""
     with torch.inference_mode():
-        target = checkpoint.load_target(str(checkpoints["qwen3"]), torch.float64, "cpu")
-        drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "zlab")), target, torch.float64, "cpu")
+        target = loading.load_target(str(checkpoints["qwen3"]), torch.float64, "cpu")
+        drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", "zlab")), target, torch.float64, "cpu")
     prompt = [5, 3, 9, 2]
     fast = fastpath.generate(target, drafter, prompt, 12)
     ref = dflash.generate(target, drafter, prompt, 12)
@@ -139,8 +139,8 @@ def test_fastpath_refuses_an_mla_target_that_dflash_runs(tmp_path):
                            first_k_dense_replace=T_LAYERS, n_group=1, topk_group=1)
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mla")
-    target = checkpoint.load_target(str(tmp_path / "mla"), torch.float64, "cpu")
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "zlab")), target, torch.float64, "cpu")
+    target = loading.load_target(str(tmp_path / "mla"), torch.float64, "cpu")
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", "zlab")), target, torch.float64, "cpu")
     assert_same_tokens(dflash.generate(target, drafter, [5, 3, 9], 10).tokens, hf_greedy(target, [5, 3, 9], 10))
     with pytest.raises(DFlashError, match=r"fastpath: deepseek_v3 targets attend through compressed keys and values "
                                           r"\(MLA\)"):
@@ -164,7 +164,7 @@ def test_fastpath_runs_a_dynamic_rope_target_to_its_last_position(tmp_path):
             layer.self_attn.k_proj.weight.mul_(8)
         target.lm_head.weight.mul_(20)
     assert fastpath.DenseTarget.supports(target)
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=16)), target, torch.float64,
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=16)), target, torch.float64,
                                   "cpu")
     for prompt in ([53, 5, 33, 65, 62, 51, 38, 61, 45, 74, 27, 64, 17, 36, 17, 12], [45, 55, 40, 78, 81, 26, 70]):
         ref = dflash.generate(target, drafter, prompt, 32 - len(prompt))
@@ -182,8 +182,8 @@ def test_fastpath_runs_a_learned_position_target_to_its_last_position(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=H, n_layer=T_LAYERS, n_head=4,
                                                 bos_token_id=None, eos_token_id=None)).save_pretrained(tmp_path / "gpt2")
-    target = checkpoint.load_target(str(tmp_path / "gpt2"), torch.float64, "cpu")
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=6)), target, torch.float64, "cpu")
+    target = loading.load_target(str(tmp_path / "gpt2"), torch.float64, "cpu")
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", "zlab", block_size=6)), target, torch.float64, "cpu")
     prompt = [5, 6, 7, 8, 9, 10]
     want = dflash.generate(target, drafter, prompt, 32 - len(prompt), num_drafts=5)
     got = fastpath.generate(target, drafter, prompt, 32 - len(prompt), num_drafts=5)
@@ -312,8 +312,8 @@ def test_fastpath_parts_compiled_by_inductor_follow_eager_on_cuda(checkpoints, t
     exactly. The graph tests compare tokens and acceptance, which a random drafter's rejected drafts
     do not show: a draft part whose block rows saw too few slots passed them (when `fastpath.stored`
     was `as_strided` of the positions, torch 2.11's inductor read `positions[-1].expand(W)` at offset 0)."""
-    target = checkpoint.load_target(str(checkpoints["llama"]), torch.float32, "cuda")
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", fmt, block_size=16, num_layers=2)), target,
+    target = loading.load_target(str(checkpoints["llama"]), torch.float32, "cuda")
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", fmt, block_size=16, num_layers=2)), target,
                                   torch.float32, "cuda")
     with closing(fastpath.Decoder(target, drafter, 64, 15)) as eager, closing(fastpath.Decoder(target, drafter, 64, 15)) as traced:
         torch._dynamo.reset()
@@ -381,9 +381,9 @@ def test_fastpath_on_cuda_with_graphs(checkpoints, tmp_path, family, dtype):
     """On CUDA with draft and verify compiled and graphed: in fp32 fastpath equals dflash.py on the
     same device; in bf16 its output equals the target's greedy decode through the same verify kernels
     (the same fastpath graphs fed mask-token drafts, so nearly every token is a row-0 argmax)."""
-    target = checkpoint.load_target(str(checkpoints[family]), dtype, "cuda")
+    target = loading.load_target(str(checkpoints[family]), dtype, "cuda")
     fmt = "laguna" if family == "laguna" else "zlab-new"
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", fmt, block_size=6,
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", fmt, block_size=6,
                                                     layer_ids=(1, 3, 4) if fmt == "laguna" else (1, 3))),
                                   target, dtype, "cuda")
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
@@ -420,8 +420,8 @@ def test_graphed_verify_builds_the_rope_tables_and_slots_once(checkpoints, tmp_p
         index_math = r"_to_copy|_unsafe_view|add|sub|arange|unsqueeze|expand|select|view|clamp|minimum|_"
         return ("arange" in ops or "expand" in ops) and not re.sub(index_math, "", ops)
 
-    target = checkpoint.load_target(str(checkpoints["llama"]), torch.bfloat16, "cuda")
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6)),
+    target = loading.load_target(str(checkpoints["llama"]), torch.bfloat16, "cuda")
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6)),
                                   target, torch.bfloat16, "cuda")
     prompt, layers = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], target.config.num_hidden_layers
     for pair, K in ((drafter, 5), (None, 0)):
@@ -443,8 +443,8 @@ def test_graphed_verify_builds_the_rope_tables_and_slots_once(checkpoints, tmp_p
 def test_fastpath_sampling_on_cuda_with_graphs(checkpoints, tmp_path):
     """At T > 0 with top-p/top-k, the graphed fastpath draws the same tokens as dflash.py on the
     same device for the same seed (fp32), and a second seed gives another sample."""
-    target = checkpoint.load_target(str(checkpoints["qwen3"]), torch.float32, "cuda")
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6, layer_ids=(1, 3))),
+    target = loading.load_target(str(checkpoints["qwen3"]), torch.float32, "cuda")
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", "zlab-new", block_size=6, layer_ids=(1, 3))),
                                   target, torch.float32, "cuda")
     prompt, sampling = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], dflash.Sampling(1.0, top_p=0.95, top_k=50)
     with closing(fastpath.Decoder(target, drafter, 256, 5, sampling=sampling)) as dec:
@@ -463,8 +463,8 @@ def test_dflash2_graphed_rounds_equal_eager_on_cuda(checkpoints, tmp_path, tempe
     """A DFlash2 drafter through the compiled, graphed draft and verify parts drafts what dflash.py drafts,
     round by round (the convolutions and the selector's walk inside the graph), and commits the same tokens,
     greedy and sampled (fp32, the same seed)."""
-    target = checkpoint.load_target(str(checkpoints["qwen3"]), torch.float32, "cuda")
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / "d", "dflash2", block_size=6, layer_ids=(1, 3))),
+    target = loading.load_target(str(checkpoints["qwen3"]), torch.float32, "cuda")
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / "d", "dflash2", block_size=6, layer_ids=(1, 3))),
                                       target, torch.float32, "cuda")
     prompt, sampling = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], dflash.Sampling(temperature)
     with closing(fastpath.Decoder(target, drafter, 256, 5, sampling=sampling)) as dec:

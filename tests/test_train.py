@@ -7,12 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
 import dflash
-import distill
-import loss
-import packed
-import train
 from conftest import (
     MASK,
     T_LAYERS,
@@ -25,6 +20,8 @@ from conftest import (
     target_config,
 )
 from dflash import DFlashError
+from dflash_reference import loading
+from dflash_reference.training import distill, objective, train
 
 
 def test_batched_capture_equals_one_sequence_at_a_time(llama_data):
@@ -32,7 +29,7 @@ def test_batched_capture_equals_one_sequence_at_a_time(llama_data):
     over that sequence alone (the context the drafter sees at inference), its labels the target's
     argmax, and its teacher states what the LM head turns into the target's own logits there."""
     _, target, sequences = llama_data
-    ids, lengths = packed.pad_sequences(sequences[:5])
+    ids, lengths = objective.pad_sequences(sequences[:5])
     layer_ids = [1, 2, 4]
     # (Bt, N, n·H), (Bt, N), (Bt, N, H)
     features, labels, teacher = train.capture_features(target, ids, lengths, layer_ids, torch.float32,
@@ -48,7 +45,7 @@ def test_batched_capture_equals_one_sequence_at_a_time(llama_data):
         # the target's own label of position p is its argmax at p - 1: the greedy text itself here
         assert labels[b, 1:n].tolist() == logits[:-1].argmax(-1).tolist()
         assert labels[b, seq.prompt_len:n].tolist() == seq.ids[seq.prompt_len:].tolist()
-        assert labels[b, 0] == packed.IGNORE and (labels[b, n:] == packed.IGNORE).all()
+        assert labels[b, 0] == objective.IGNORE and (labels[b, n:] == objective.IGNORE).all()
         # the teacher at p is the target's state at p - 1: its logits there, zeros where there is no label
         torch.testing.assert_close(teacher_logits, logits[:-1], rtol=1e-5, atol=1e-5)
         assert not teacher[b, 0].any() and not teacher[b, n:].any()
@@ -94,7 +91,7 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(llama_data):
     """Training on features captured once (whole set, or shards of a few sequences) gives the same
     loss, step by step, as running the frozen target on every step's batch (float64)."""
     path, _, sequences = llama_data
-    target = checkpoint.load_target(str(path), torch.float64, "cpu")
+    target = loading.load_target(str(path), torch.float64, "cpu")
     runs = {}
     for name, store, cache_tokens in [("live", train.LiveFeatures, None), ("cached", train.CachedFeatures, None),
                                       ("sharded", train.CachedFeatures, 120)]:
@@ -118,7 +115,7 @@ def test_distillation_trains_alike_from_the_cache_and_a_target_pass(llama_data):
     on a target pass per step (float64); its loss is the KL to the target's distribution, not the
     cross-entropy to its argmax, and it falls."""
     path, _, sequences = llama_data
-    target = checkpoint.load_target(str(path), torch.float64, "cpu")
+    target = loading.load_target(str(path), torch.float64, "cpu")
     runs = {}
     for name, store, cache_tokens, soft in [("live", train.LiveFeatures, None, True),
                                             ("cached", train.CachedFeatures, None, True),
@@ -140,12 +137,12 @@ def test_an_epoch_starts_with_the_shard_still_cached(llama_data, monkeypatch):
     ended on, whose features are still held: 3 epochs capture 4 times, not 6. Each epoch still trains
     every sequence once, and the losses are those of a target pass per step (float64)."""
     path, _, sequences = llama_data
-    target = checkpoint.load_target(str(path), torch.float64, "cpu")
+    target = loading.load_target(str(path), torch.float64, "cpu")
     sequences = sequences[:16]
     assert len(train.shards(list(range(16)), sequences, 300, 4)) == 2
     captured, trained = [], []
     capturing = lambda store: lambda target, seqs, *args: captured.append(len(seqs)) or store(target, seqs, *args)
-    real_blocks = packed.make_blocks
+    real_blocks = objective.make_blocks
     monkeypatch.setattr(train, "make_blocks", lambda seqs, *args, **kwargs: trained.extend(map(id, seqs))
                         or real_blocks(seqs, *args, **kwargs))
     losses = {}
@@ -221,7 +218,7 @@ def test_padded_shapes_train_exactly_like_unpadded(llama_data):
     labels past the ends, unlabelled blocks at anchor 0) gives the same loss step by step (float64),
     and the history counts only the real blocks."""
     path, _, sequences = llama_data
-    target = checkpoint.load_target(str(path), torch.float64, "cpu")
+    target = loading.load_target(str(path), torch.float64, "cpu")
     runs, blocks = {}, {}
     for pad in [(1, 1), (16, 7)]:
         _, drafter = fresh_drafter(target)
@@ -231,16 +228,16 @@ def test_padded_shapes_train_exactly_like_unpadded(llama_data):
     assert runs[(16, 7)] == pytest.approx(runs[(1, 1)], rel=1e-10) and runs[(1, 1)][-1] < runs[(1, 1)][0]
     assert blocks[(16, 7)] == blocks[(1, 1)] and any(b % 7 for b in blocks[(1, 1)])   # padding happened, uncounted
     g = torch.Generator().manual_seed(0)
-    padded = packed.make_blocks(sequences[:3], 5, 6, 95, g, pad_to=8)
-    assert len(padded.anchors) % 8 == 0 and (padded.labels[15:] == packed.IGNORE).all()
-    uneven = packed.make_blocks(sequences[:3], 5, 6, 95, anchor_lists=[[2, 3, 4, 5], [2], [2, 3]], pad_to=8)
+    padded = objective.make_blocks(sequences[:3], 5, 6, 95, g, pad_to=8)
+    assert len(padded.anchors) % 8 == 0 and (padded.labels[15:] == objective.IGNORE).all()
+    uneven = objective.make_blocks(sequences[:3], 5, 6, 95, anchor_lists=[[2, 3, 4, 5], [2], [2, 3]], pad_to=8)
     assert uneven.sequence.tolist() == [0, 0, 0, 0, 1, 2, 2, 1] and uneven.anchors[7] == 0   # to the fewest first
     assert uneven.sequence.bincount().max() == 4   # the packed forward's longest run did not grow
-    features, labels, teacher = packed.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long),
+    features, labels, teacher = objective.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long),
                                                     torch.ones(2, 10, 3), 16)
-    assert features.shape == (2, 16, 4) and features[:, 10:].eq(0).all() and labels[:, 10:].eq(packed.IGNORE).all()
+    assert features.shape == (2, 16, 4) and features[:, 10:].eq(0).all() and labels[:, 10:].eq(objective.IGNORE).all()
     assert teacher.shape == (2, 16, 3) and teacher[:, 10:].eq(0).all() and teacher[:, :10].eq(1).all()
-    assert packed.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long), None, 16)[2] is None
+    assert objective.pad_positions(torch.ones(2, 10, 4), torch.zeros(2, 10, dtype=torch.long), None, 16)[2] is None
 
 
 @pytest.mark.gpu
@@ -250,13 +247,13 @@ def test_compiled_training_follows_eager_on_cuda(llama_data):
     steps as eager under the same bf16 autocast, loss for loss within bf16 rounding, lowering the
     loss; the compiled module saves the checkpoint's own parameter names."""
     path, _, sequences = llama_data
-    target = checkpoint.load_target(str(path), torch.float32, "cuda")
+    target = loading.load_target(str(path), torch.float32, "cuda")
     runs = {}
     for compiled in (False, True):
         _, drafter = fresh_drafter(target, num_layers=2)
         cfg = train.TrainConfig(epochs=3, batch_size=4, anchors=6, lr=3e-3, eval_every=100, compile=compiled)
         runs[compiled] = [h["loss"] for h in train.train(target, drafter, sequences[:16], [], cfg, progress=False)]
-    names = set(checkpoint.checkpoint_tensors(drafter, {"architectures": ["DFlashDraftModel"]}))   # the compiled one's
+    names = set(loading.checkpoint_tensors(drafter, {"architectures": ["DFlashDraftModel"]}))   # the compiled one's
     assert len(runs[True]) == 12 and runs[True][-1] < runs[True][0]
     assert runs[True] == pytest.approx(runs[False], rel=3e-2)
     assert not any("_orig_mod" in name for name in names)
@@ -305,18 +302,18 @@ def replay_matches_generate(target, drafter, sequences) -> set[int]:
 
 def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(llama_data, tmp_path):
     """A few steps lower the loss on fixed blocks, leave the target untouched, and write a z-lab
-    checkpoint that checkpoint.load_drafter loads and dflash.generate decodes with, equal to HF greedy."""
+    checkpoint that loading.load_drafter loads and dflash.generate decodes with, equal to HF greedy."""
     _, target, sequences = llama_data
     raw, drafter = fresh_drafter(target)
     frozen = {k: v.clone() for k, v in target.state_dict().items()}
-    fixed = packed.make_blocks(sequences, 8, 4, MASK)
-    weights = loss.position_weights(4, 2.0)
+    fixed = objective.make_blocks(sequences, 8, 4, MASK)
+    weights = objective.position_weights(4, 2.0)
 
     def fixed_loss():
         with torch.no_grad():
             features, _, _ = train.capture_features(target, fixed.ids, fixed.lengths, drafter.config.target_layer_ids,
                                                     torch.float32, with_labels=False)
-            return loss.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
+            return objective.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
                                     weights).item()
 
     before = fixed_loss()
@@ -329,7 +326,7 @@ def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(llama_data, tmp_
     seen = replay_matches_generate(target, drafter, sequences[:8])
     assert 0 in seen and len(seen) >= 2, seen           # rounds of different lengths were walked
 
-    checkpoint.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
+    loading.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert set(config) >= {"architectures", "model_type", "block_size", "dflash_config", "num_target_layers",
                            "rope_theta", "layer_types", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -339,7 +336,7 @@ def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(llama_data, tmp_
     assert config["block_size"] == config["dflash_config"]["block_size"] == 4
     assert config["dflash_config"]["target_layer_ids"] == dflash.default_layer_ids(T_LAYERS, 3)
     assert config["num_target_layers"] == T_LAYERS and set(config["layer_types"]) == {"full_attention"}
-    loaded = checkpoint.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
+    loaded = loading.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
     for name, tensor in loaded.state_dict().items():
         torch.testing.assert_close(tensor, drafter.state_dict()[name], rtol=0, atol=0)
     for seq in sequences[:4]:
@@ -408,7 +405,7 @@ def test_new_drafter_config_follows_target(llama_data):
 
 
 def test_train_cli_writes_a_loadable_drafter(llama_data, tmp_path):
-    """`train.py train` end to end on a tiny target writes a drafter that loads. With two data files and
+    """`dflash-train train` end to end on a tiny target writes a drafter that loads. With two data files and
     `--heldout 4 2` each file holds out the greedy answers to its last prompts, and no answer to a
     held-out prompt of either file trains; the second file's held-out τ is in the history too."""
     path, target, sequences = llama_data
@@ -436,7 +433,7 @@ def test_train_cli_writes_a_loadable_drafter(llama_data, tmp_path):
     assert last["tau"] >= 1 and len(last["acceptance"]) == 3
     assert f", {last['tau']:.2f} on {code} -> " in result.stderr
     assert log["at_init"] is None
-    checkpoint.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
+    loading.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
     again = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--out",
                           str(tmp_path / "d2"), "--init", str(tmp_path / "d"), "--max-steps", "1", "--heldout", "4",
                           "--device", "cpu", "--save-dtype", "float32", "--soft-labels")
@@ -463,7 +460,7 @@ def test_train_cli_writes_a_loadable_drafter(llama_data, tmp_path):
                         str(tmp_path / "d4"), "--init", str(tmp_path / "d"), "--max-steps", "1", "--heldout", "4",
                         "--heldout-tokens", "6", "--device", "cpu", "--save-dtype", "float32")
     assert cut.returncode == 0, cut.stderr
-    d = checkpoint.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
+    d = loading.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu")
     want, _ = train.estimate_acceptance(target, d, train.first_response_tokens(sequences[20:24], 6))
     log4 = json.loads((tmp_path / "d4" / "training.json").read_text())
     assert log4["at_init"]["heldout_tau"] == pytest.approx(want, rel=1e-6)
@@ -484,7 +481,7 @@ def test_grown_drafter_starts_where_its_checkpoint_stands(llama_data, tmp_path):
     bigger, bigger_raw = train.grown(target, drafter, raw, 3)
     assert len(bigger.layers) == 3 and bigger_raw["num_hidden_layers"] == 3 and raw["num_hidden_layers"] == 1
     assert bigger_raw["layer_types"] == ["full_attention"] * 3
-    blocks = packed.make_blocks(sequences[:6], 8, 4, MASK, torch.Generator().manual_seed(0))
+    blocks = objective.make_blocks(sequences[:6], 8, 4, MASK, torch.Generator().manual_seed(0))
     features, _, _ = train.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
                                             torch.float32, with_labels=False)
     with torch.no_grad():
@@ -493,7 +490,7 @@ def test_grown_drafter_starts_where_its_checkpoint_stands(llama_data, tmp_path):
     assert torch.equal(before, after)
     assert any(not torch.equal(a, b) for a, b in zip(bigger.layers[1].parameters(), bigger.layers[2].parameters()))
 
-    checkpoint.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
+    loading.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
     distill.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
     common = ["train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--init", str(tmp_path / "d"),
               "--heldout", "4", "--device", "cpu", "--save-dtype", "float32"]
@@ -507,7 +504,7 @@ def test_grown_drafter_starts_where_its_checkpoint_stands(llama_data, tmp_path):
     # the grown drafter walks the held-out answers as d does before training: its new layers add nothing
     assert log["at_init"]["heldout_tau"] == json.loads((tmp_path / "d1" / "training.json").read_text())["at_init"][
         "heldout_tau"]
-    d3 = checkpoint.load_drafter(str(tmp_path / "d3"), target, torch.float32, "cpu")
+    d3 = loading.load_drafter(str(tmp_path / "d3"), target, torch.float32, "cpu")
     assert d3.config.num_layers == 3 and d3.layers[2].mlp.down_proj.weight.abs().max() > 0   # it trained
     fewer = run_train_cli(*common, "--out", str(tmp_path / "d0"), "--layers", "0", "--max-steps", "1")
     assert fewer.returncode != 0 and "--layers = 0: the --init drafter has 1 layers, and layers are only added" \
@@ -530,7 +527,7 @@ def test_dflash2_made_from_a_dflash_drafter_drafts_as_it_did_then_trains(llama_d
     for seq in sequences[20:24]:
         prompt = seq.ids[:seq.prompt_len].tolist()
         assert dflash.generate(target, made, prompt, 12).rounds == dflash.generate(target, drafter, prompt, 12).rounds
-    checkpoint.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
+    loading.save_drafter(drafter, raw, tmp_path / "d", torch.float32)
     distill.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})
     common = ["train", "--target", str(path), "--data", str(tmp_path / "data.pt"), "--heldout", "4", "--device", "cpu",
               "--save-dtype", "float32"]
@@ -550,7 +547,7 @@ def test_dflash2_made_from_a_dflash_drafter_drafts_as_it_did_then_trains(llama_d
     tensors = load_file(tmp_path / "d2" / "model.safetensors")
     assert tensors["candidate_selector.successor_codebook"].abs().max() > 0                 # the selector trained
     assert tensors["layers.0.attention_conv.kernel_projection.weight"].abs().max() > 0      # and the convolutions
-    trained = checkpoint.load_drafter(str(tmp_path / "d2"), target, torch.float32, "cpu")
+    trained = loading.load_drafter(str(tmp_path / "d2"), target, torch.float32, "cpu")
     assert trained.candidate_selector is not None
     replay_matches_generate(target, trained, sequences[20:24])   # generate equals the target's greedy text too
     alone = run_train_cli(*common, "--init", str(tmp_path / "d"), "--out", str(tmp_path / "x"), "--selector-rank", "6",
@@ -569,7 +566,7 @@ def test_save_drafter_killed_midway_leaves_the_old_drafter_whole(llama_data, tmp
     target = llama_data[1]
     raw4, drafter4 = fresh_drafter(target, block_size=4)
     raw6, drafter6 = fresh_drafter(target, block_size=6)
-    checkpoint.save_drafter(drafter4, raw4, tmp_path / "d", torch.float32)
+    loading.save_drafter(drafter4, raw4, tmp_path / "d", torch.float32)
     before = {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir()}
 
     def killed(tensors, path):
@@ -577,9 +574,9 @@ def test_save_drafter_killed_midway_leaves_the_old_drafter_whole(llama_data, tmp
         raise KeyboardInterrupt
     monkeypatch.setattr(safetensors.torch, "save_file", killed)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_drafter(drafter6, raw6, tmp_path / "d", torch.float32)
+        loading.save_drafter(drafter6, raw6, tmp_path / "d", torch.float32)
     assert {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir() if p.suffix != ".part"} == before
-    assert checkpoint.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu").config.block_size == 4
+    assert loading.load_drafter(str(tmp_path / "d"), target, torch.float32, "cpu").config.block_size == 4
 
 
 def test_training_that_diverges_stops_at_the_first_non_finite_loss(llama_data, tmp_path):
@@ -624,7 +621,7 @@ def test_a_spent_time_budget_ends_the_run_with_an_estimate(llama_data):
 
 
 def test_train_saves_the_drafter_at_each_heldout_estimate(llama_data, tmp_path, monkeypatch):
-    """While `train.py train` runs, --out holds the drafter as of its latest held-out estimate, with a
+    """While `dflash-train train` runs, --out holds the drafter as of its latest held-out estimate, with a
     training.json whose history ends there (`snapshot` true), so that a run cut short keeps that point:
     after step 2's estimate the saved weights are the live drafter's, and the run's end replaces them."""
     path, target, sequences = llama_data
@@ -637,7 +634,7 @@ def test_train_saves_the_drafter_at_each_heldout_estimate(llama_data, tmp_path, 
             on_estimate(history)
             log = json.loads((out / "training.json").read_text())
             saved = load_file(out / "model.safetensors")
-            live = checkpoint.checkpoint_tensors(drafter, {"architectures": ["DFlashDraftModel"]})
+            live = loading.checkpoint_tensors(drafter, {"architectures": ["DFlashDraftModel"]})
             seen.append((len(log["history"]), log["snapshot"], log["history"][-1]["heldout_tau"],
                          saved.keys() == live.keys() and all(torch.equal(saved[k], live[k].detach()) for k in saved),
                          saved))
@@ -657,7 +654,7 @@ def test_train_saves_the_drafter_at_each_heldout_estimate(llama_data, tmp_path, 
 
 
 def test_a_snapshot_killed_midway_leaves_the_last_snapshot_whole(llama_data, tmp_path, monkeypatch):
-    """A snapshot of `train.py train` that dies while it writes (a full disk, a machine taken back) leaves
+    """A snapshot of `dflash-train train` that dies while it writes (a full disk, a machine taken back) leaves
     the one before it whole: the weights in --out are the ones its training.json's history ends at."""
     path, target, sequences = llama_data
     distill.save_sequences(tmp_path / "data.pt", sequences, {"prompt_indices": list(range(len(sequences)))})

@@ -1,4 +1,4 @@
-"""triton_ops.py: each Triton kernel against its plain-torch twin (under the Triton interpreter on CPU, on
+"""kernels.py: each Triton kernel against its plain-torch twin (under the Triton interpreter on CPU, on
 CUDA where there is one), and the twins against the math they stand for."""
 import json
 import os
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 import dflash
 import fastpath
-import loss
-import triton_ops
 from conftest import HERE, head_chunk_cases
+from dflash_reference import kernels
+from dflash_reference.training import objective
 
 
 def test_attend_upto_is_causal_attention_by_slot():
@@ -28,7 +28,7 @@ def test_attend_upto_is_causal_attention_by_slot():
     q = torch.randn(Bt, N, h, d, dtype=torch.float64, generator=g)
     keys, values = (torch.randn(Bt, hk, S, d, dtype=torch.float64, generator=g) for _ in range(2))
     last = torch.randint(0, S, (Bt, N), generator=g)
-    got = triton_ops.attend_upto(q, keys, values, last, 0.3).view(Bt, N, h, d)
+    got = kernels.attend_upto(q, keys, values, last, 0.3).view(Bt, N, h, d)
     for b in range(Bt):
         for n in range(N):
             upto = int(last[b, n]) + 1
@@ -60,10 +60,10 @@ def kernel_errors(device: str, dtypes) -> dict:
             slots = torch.arange(S, device=device)
             for lower in (None, first):
                 mask = (slots <= last[..., None]) & (slots >= (0 if lower is None else lower[..., None]))
-                want = triton_ops.attend(q.double(), keys[:, :, :S].double(), values[:, :, :S].double(), mask, d ** -0.5)
-                for programs in (triton_ops.PROGRAMS, 1):
-                    with mock.patch.object(triton_ops, "PROGRAMS", programs):
-                        got = triton_ops.triton_attend_upto(q, keys[:, :, :S], values[:, :, :S], last, d ** -0.5, lower)
+                want = kernels.attend(q.double(), keys[:, :, :S].double(), values[:, :, :S].double(), mask, d ** -0.5)
+                for programs in (kernels.PROGRAMS, 1):
+                    with mock.patch.object(kernels, "PROGRAMS", programs):
+                        got = kernels.triton_attend_upto(q, keys[:, :, :S], values[:, :, :S], last, d ** -0.5, lower)
                     errors[f"{case} programs={programs} first={lower is not None} {dtype}"] = \
                         (got.double() - want).abs().max().item()
     return errors
@@ -103,7 +103,7 @@ def heads_kernel_errors(device: str, dtypes) -> dict:
         twin = lambda *a: fastpath.heads_into_place(a[0], qwen3.apply_rotary_pos_emb, *a[1:])
         want = run(twin, torch.float64)
         for dtype in dtypes:
-            got = run(triton_ops.triton_heads_into_place, dtype)
+            got = run(kernels.triton_heads_into_place, dtype)
             plain = run(twin, dtype)
             owned = torch.zeros(Bt, C, dtype=torch.bool, device=device)
             owned[torch.arange(Bt, device=device)[:, None], slots] = True
@@ -149,7 +149,7 @@ def heads_kernel_broadcast_difference() -> float:
 
     def run(cos, sin):
         keys, values = torch.zeros(Bt, hk, C, d), torch.zeros(Bt, hk, C, d)
-        q = triton_ops.triton_heads_into_place(torch.nn.Module(), qkv, keys, values, cos, sin, slots)
+        q = kernels.triton_heads_into_place(torch.nn.Module(), qkv, keys, values, cos, sin, slots)
         return torch.cat([q.flatten(), keys.flatten(), values.flatten()])
     shared = run(angles.cos(), angles.sin())
     per_row = run(angles.cos().expand(Bt, N, d).contiguous(), angles.sin().expand(Bt, N, d).contiguous())
@@ -176,7 +176,7 @@ def test_attend_upto_kernel_under_the_triton_interpreter():
         assert error < KERNEL_TOLERANCE[torch.float16 if "float16" in key else torch.float32], (key, error)
 
 
-@pytest.mark.skipif(triton_ops.triton is None, reason="needs Triton")
+@pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
 def test_kernel_wrappers_refuse_layouts_their_kernels_misread():
     """The Triton wrappers refuse, before any launch, K/V buffers strided along head_dim (the kernels
     address them with unit stride) and an odd head_dim for the heads kernel (RoPE's halves); RoPE tables
@@ -185,15 +185,15 @@ def test_kernel_wrappers_refuse_layouts_their_kernels_misread():
     q = torch.randn(Bt, N, h, d)
     keys = torch.randn(Bt, hk, d, S).transpose(-1, -2)                                 # stride 1 along S, not d
     with pytest.raises(ValueError, match="triton_attend_upto: keys/values must be contiguous along head_dim"):
-        triton_ops.triton_attend_upto(q, keys, keys.contiguous(), torch.zeros(Bt, N, dtype=torch.long), 0.3)
+        kernels.triton_attend_upto(q, keys, keys.contiguous(), torch.zeros(Bt, N, dtype=torch.long), 0.3)
     attn = types.SimpleNamespace()                                                     # no q/k norms
     rows = torch.randn(Bt, N, (h + 2 * hk) * d)
     table = torch.randn(1, N, d)                                                        # one table for both rows
     with pytest.raises(ValueError, match="head_dim 8 must be even .* contiguous along it"):
-        triton_ops.triton_heads_into_place(attn, rows, keys, keys.contiguous(), table, table, torch.zeros(Bt, N))
+        kernels.triton_heads_into_place(attn, rows, keys, keys.contiguous(), table, table, torch.zeros(Bt, N))
     odd = torch.zeros(Bt, hk, S, 9)
     with pytest.raises(ValueError, match="head_dim 9 must be even"):
-        triton_ops.triton_heads_into_place(attn, torch.randn(Bt, N, (h + 2 * hk) * 9), odd, odd, table, table,
+        kernels.triton_heads_into_place(attn, torch.randn(Bt, N, (h + 2 * hk) * 9), odd, odd, table, table,
                                          torch.zeros(Bt, N))
 
 
@@ -240,12 +240,12 @@ def sample_mismatches(device: str, dtypes) -> dict:
             dist = (torch.rand(N, V, generator=g) ** 8 * 3).to(dtype)
             dist[:, V // 2:] *= torch.rand(N, 1, generator=g) < 0.5                    # some rows zero past half
             u = torch.rand(N, dtype=torch.float64, generator=g)
-            got = triton_ops.triton_sample(dist.to(device), u.to(device)).cpu()
+            got = kernels.triton_sample(dist.to(device), u.to(device)).cpu()
             want = dflash.sample(dist, u)
             one = torch.stack([dflash.sample(dist[i], u[i]) for i in range(N)])
             out[f"{N}x{V} {dtype}"] = {"far": int(((got - want).abs() > 1).sum()), "any": int((got != want).sum()),
                                        "batched_is_per_row": torch.equal(want, one), "shape": list(got.shape)}
-    got = triton_ops.triton_sample(dist[0].to(device), u[0].to(device)).cpu()          # one distribution (V,)
+    got = kernels.triton_sample(dist[0].to(device), u[0].to(device)).cpu()          # one distribution (V,)
     out["one row"] = {"far": int(abs(int(got) - int(dflash.sample(dist[0], u[0]))) > 1), "any": 0,
                       "batched_is_per_row": True, "shape": list(got.shape)}
     return out
@@ -303,7 +303,7 @@ def topk_mismatches(device: str, dtypes) -> dict:
                 else:
                     x = torch.randint(-3, 4, (N, V), generator=g).float()
                 x = x.to(dtype)
-                values, indices = triton_ops.triton_topk(x.to(device), k)
+                values, indices = kernels.triton_topk(x.to(device), k)
                 values, indices = values.cpu(), indices.cpu()
                 want, want_indices = x.topk(k, dim=-1)
                 out[f"{N}x{V} k{k} {dtype} {kind}"] = {
@@ -371,7 +371,7 @@ def walk_mismatches(device: str, dtypes) -> dict:
             sel = selector.to(device, dtype)
             args = (hidden.to(device, dtype), logits.to(device, dtype), anchor)
             for temperature in (0.0, 0.7):
-                drafts, candidates, q = triton_ops.triton_candidate_walk(sel, *args, temperature, uniforms)
+                drafts, candidates, q = kernels.triton_candidate_walk(sel, *args, temperature, uniforms)
                 want, want_candidates, want_q = sel(*args, temperature, uniforms)
                 out[f"{N}x{k}x{r}x{V} T{temperature} {dtype}"] = {   # candidates as sets: equal logits in any order
                     "drafts_differ": int((drafts != want).sum()),
@@ -442,7 +442,7 @@ def test_candidate_walk_is_the_selector_off_cuda():
     """Off CUDA (and in float64) candidate_walk is the selector's own forward, which the conformance kit records."""
     sentinel = object()
     selector = mock.Mock(return_value=sentinel)
-    assert triton_ops.candidate_walk(selector, torch.zeros(2, 4), torch.zeros(2, 8), torch.tensor(1), 0.0, None) \
+    assert kernels.candidate_walk(selector, torch.zeros(2, 4), torch.zeros(2, 8), torch.tensor(1), 0.0, None) \
         is sentinel
     selector.assert_called_once()
 
@@ -465,8 +465,8 @@ def head_kernel_errors(device, dtypes, cases=((37, 1000), (5, 4096)), block=256)
     for rows, vocab in cases:
         for dtype in dtypes:
             logits, labels, w, want, want_grad = head_chunk_cases(device, dtype, rows, vocab)
-            runs = {"kernel": triton_ops.triton_head_chunk_grad(logits, labels, w, block=block),
-                    "twin": triton_ops.head_chunk_grad(logits, labels, w)}
+            runs = {"kernel": objective.triton_head_chunk_grad(logits, labels, w, block=block),
+                    "twin": objective.head_chunk_grad(logits, labels, w)}
             errors[f"{rows}x{vocab} {dtype}"] = {
                 **{name: [abs(loss.item() - want.item()), (grad.double() - want_grad).abs().max().item()]
                    for name, (loss, grad) in runs.items()},
@@ -500,7 +500,7 @@ def test_head_kernel_on_cuda():
     """The same on the GPU in fp32, fp16 and bf16, and at SmolLM2's vocabulary in bf16 with the
     kernel's own tiles (a full chunk of 8,192 rows and a short one)."""
     errors = head_kernel_errors("cuda", [torch.float32, torch.float16, torch.bfloat16])
-    errors |= head_kernel_errors("cuda", [torch.bfloat16], cases=((loss.CE_CHUNK, 49152), (1000, 49152)),
-                                 block=triton_ops.HEAD_BLOCK)
+    errors |= head_kernel_errors("cuda", [torch.bfloat16], cases=((objective.CE_CHUNK, 49152), (1000, 49152)),
+                                 block=objective.HEAD_BLOCK)
     print(errors)
     check_head_kernel(errors)

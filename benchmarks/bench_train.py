@@ -13,16 +13,16 @@ one run, after warm-up:
   train     one optimizer step of the packed forward over every anchor of a batch of sequences, for
             3 and 5 drafter layers, DFlash and DFlash2 (compiled, beside the compiled DFlash row): features cached (gathered from a flat device cache) or live (a
             target pass per step); the head's cross-entropy chunked through the frozen head
-            (loss.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
+            (objective.FrozenHeadCrossEntropy), as whole (M, V) logits, or liger-kernel's fused linear
             cross-entropy where it is installed; eager or compiled as
-            train.py --compile compiles (the drafter's forward and the head's loss chunk), unrounded
+            dflash-train train --compile compiles (the drafter's forward and the head's loss chunk), unrounded
             or with shapes rounded up (--pad-shapes 64 512).
             Each step draws a random batch, and each run its own batches, so shapes rarely repeat,
             as in training. Median of the timed steps after 3 warm-up steps (their seconds, the
             compile included, are reported); blocks/s (real blocks only) and the achieved TFLOP/s
             of train.step_flops.
 
-    $ python bench_train.py --out bench-train.json
+    $ python benchmarks/bench_train.py --out bench-train.json
 """
 
 from __future__ import annotations
@@ -43,17 +43,12 @@ import torch
 import torch.nn.functional as F
 
 import bench
-import checkpoint
-import cli
 import dflash
-import distill
-import files
-import loss
-import packed
-import train
+from dflash_reference import loading, scripts
+from dflash_reference.training import distill, objective, train
 
 SHAPE = bench.SHAPES["smollm2-135m"]
-PADDED = (64, 512)   # the train row with rounded shapes (train.py --pad-shapes 64 512)
+PADDED = (64, 512)   # the train row with rounded shapes (train --pad-shapes 64 512)
 TRAIN_SEQUENCES = 64   # the random sequences the training rows draw their batches from
 
 
@@ -135,7 +130,7 @@ def liger_loss(target, hidden, labels, weights):
     labels = labels.to(hidden.device)
     total, weight_sum = 0, 0
     for k in range(1, labels.shape[1]):
-        keep = labels[:, k] != packed.IGNORE
+        keep = labels[:, k] != objective.IGNORE
         total = total + weights[k] * ce(head, hidden[:, k][keep].to(head.dtype), labels[:, k][keep])
         weight_sum = weight_sum + weights[k] * keep.sum()
     return total / weight_sum
@@ -144,9 +139,9 @@ def liger_loss(target, hidden, labels, weights):
 def full_logits_loss(target, hidden, labels, weights):
     """block_loss with the whole (M, V) float32 logits materialised, as autograd sees them."""
     labels = labels.to(hidden.device)
-    keep = labels != packed.IGNORE
+    keep = labels != objective.IGNORE
     w = weights.expand_as(labels)[keep]
-    ce = F.cross_entropy(loss.lm_logits(target, hidden[keep]), labels[keep], reduction="none")
+    ce = F.cross_entropy(objective.lm_logits(target, hidden[keep]), labels[keep], reduction="none")
     return (w * ce).sum() / w.sum()
 
 
@@ -157,21 +152,21 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
     cost without the selector's)."""
     raw = train.new_drafter_config(target, layers, 16, target.get_input_embeddings().weight.shape[0] - 1, 5)
     layer_ids = raw["dflash_config"]["target_layer_ids"]
-    weights = loss.position_weights(16, 7.0, "cuda")
+    weights = objective.position_weights(16, 7.0, "cuda")
     cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
     live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
     rows = []
     for run, (store_name, loss_name, pad, compiled, kind) in enumerate(runs):
         drafter = train.new_drafter(target, raw)
         if kind != "dflash":
-            drafter, _ = train.as_dflash2(target, drafter, raw, checkpoint.DFLASH2_DEFAULTS | {"selector_rank": 64})
+            drafter, _ = train.as_dflash2(target, drafter, raw, loading.DFLASH2_DEFAULTS | {"selector_rank": 64})
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)   # as train.train
         t_compile = time.perf_counter()
         if compiled:
             train.compile_drafter(drafter)   # as train --compile compiles it
         store, loss_fn = {"cached": cached, "live": live}[store_name], losses[loss_name]
         if compiled and loss_name == "chunked":   # as train --compile: the head's loss chunk compiled too
-            loss_fn = functools.partial(loss.block_loss, chunk_grad=loss.head_loss_chunk(True))
+            loss_fn = functools.partial(objective.block_loss, chunk_grad=objective.head_loss_chunk(True))
         # batches of their own for each run: shapes that an earlier run met are cheaper to meet again
         # (cuDNN plans, the allocator), and training rarely meets a shape twice
         g = torch.Generator().manual_seed(run)
@@ -183,8 +178,8 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
             indices = torch.randperm(len(sequences), generator=g)[:batch].tolist()   # a new shape nearly every step
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            features, labels, _ = packed.pad_positions(*store.batch(indices), pad[0])
-            blocks = packed.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
+            features, labels, _ = objective.pad_positions(*store.batch(indices), pad[0])
+            blocks = objective.make_blocks([sequences[j] for j in indices], 512, 16, drafter.config.mask_token_id,
                                        g, labels=labels, pad_to=pad[1])
             selector = {"selector": drafter.candidate_selector, "block_ids": blocks.block_ids} if kind == "dflash2" else {}
             with train.autocast(features.device):
@@ -210,7 +205,7 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
 
 
 def main(argv=None):
-    p = cli.parser(__doc__)
+    p = scripts.parser(__doc__)
     p.add_argument("--target", help="a real target dir (default: SmolLM2-135M shapes, random weights)")
     p.add_argument("--distill-batch", type=int, default=1024)
     p.add_argument("--max-new", type=int, default=512, help="BatchDecoder new tokens per row")
@@ -222,14 +217,14 @@ def main(argv=None):
     p.add_argument("--skip", default="", help="comma-separated: distill, hf (its HF generate row), train")
     p.add_argument("--out", help="write the results as JSON here (after each section)")
     args = p.parse_args(argv)
-    cli.require_at_least(args, 1, "distill_batch", "max_new", "hf_max_new", "train_batch", "steps")
+    scripts.require_at_least(args, 1, "distill_batch", "max_new", "hf_max_new", "train_batch", "steps")
     skip = bench.skipped(args.skip, ("distill", "hf", "train"))
     dflash.require(args.train_batch <= TRAIN_SEQUENCES, f"--train-batch = {args.train_batch} must be at most "
                    f"{TRAIN_SEQUENCES} (the sequences a step draws from)")
     bench.require_out_dir(args.out)
     dflash.require(torch.cuda.is_available(), f"{p.prog} times CUDA kernels: no CUDA device here")
     if args.target:
-        target = checkpoint.load_target(args.target, torch.bfloat16, "cuda")
+        target = loading.load_target(args.target, torch.bfloat16, "cuda")
     else:
         target = bench.build_pair(SHAPE)[0]
     bandwidth, flops = bench.copy_bandwidth(), matmul_rate()
@@ -242,7 +237,7 @@ def main(argv=None):
 
     def save():   # after each section, in one step: a run cut short keeps the sections before
         if args.out:
-            files.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(result, indent=2)))
+            scripts.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(result, indent=2)))
     save()   # the conditions, before any section
     if "distill" not in skip:
         lengths = torch.randint(16, 257, (args.distill_batch,), generator=g).tolist()
@@ -259,7 +254,7 @@ def main(argv=None):
     if "train" not in skip:
         sequences = [distill.Sequence(torch.randint(0, vocab - 2, (int(n),), generator=g), 100)
                      for n in torch.randint(300, 613, (TRAIN_SEQUENCES,), generator=g)]
-        losses = {"chunked": loss.block_loss, "full-logits": full_logits_loss}
+        losses = {"chunked": objective.block_loss, "full-logits": full_logits_loss}
         try:
             import liger_kernel  # noqa: F401
             losses["liger-fused"] = liger_loss
@@ -286,4 +281,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    scripts.run(main)

@@ -22,8 +22,8 @@ of its decode steps after the first 4 (20 at least); a graph row the median of 5
 the median of 3 runs of 64 tokens, less a 1-token run (the prefill), over 63. With --profile, each
 graphed draft part's kernels by name (calls and µs per replay) go into the JSON (`draft_profiles`).
 
-    $ python bench.py --shape qwen3-8b --out bench-qwen3-8b.json
-    $ python bench.py --shape smollm2-135m
+    $ python benchmarks/bench.py --shape qwen3-8b --out bench-qwen3-8b.json
+    $ python benchmarks/bench.py --shape smollm2-135m
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ from pathlib import Path
 
 import torch
 
-import cli
 import dflash
 import fastpath
-import files
+from dflash_reference import scripts
 
 SHAPES = {   # target config and DFlash drafter shape
     "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -83,7 +82,7 @@ def build_pair(shape: dict, dtype=torch.bfloat16, device="cuda"):
         block_size=shape["block_size"], mask_token_id=shape["vocab_size"] - 1, target_layer_ids=shape["layer_ids"],
         rope_thetas=[1e6] * shape["draft_layers"], causal=[False] * shape["draft_layers"],
         windows=[None] * shape["draft_layers"])
-    # the same backbone as DFlash2 (spec §9's default sizes): convolutions around each sublayer, a selector
+    # the same backbone as DFlash2 (DFLASH2_DEFAULTS, z-lab's sizes): convolutions around each sublayer, a selector
     dcfg2 = dataclasses.replace(dcfg, conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16,
                                 vocab_size=shape["vocab_size"])
     with torch.device(device):
@@ -305,7 +304,7 @@ def hf_generate_rate(target, prompt, max_new_tokens, **kwargs) -> float:
 
 
 def main(argv=None):
-    p = cli.parser(__doc__)
+    p = scripts.parser(__doc__)
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -371,7 +370,7 @@ def main(argv=None):
         if args.out:
             value = dict(conditions=conditions, rows=rows, errors=errors, layers=layers, step_profile=profile,
                          ar_step_profile=ar_profile, draft_profiles=draft_profiles)
-            files.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(value, indent=2)))
+            scripts.replace_file(Path(args.out), lambda p: p.write_text(json.dumps(value, indent=2)))
 
     capacity = fastpath.capacity_for(args.prompt_len, args.new_tokens, K)
     pairs = (("fast-ar", None), ("fast-dflash", drafter), ("fast-dflash2", drafter2))
@@ -476,4 +475,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    scripts.run(main)

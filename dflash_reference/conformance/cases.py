@@ -1,36 +1,27 @@
-"""A conformance kit for DFlash ports: golden values at every stage of a few rounds, written from dflash.py.
+"""The conformance kit's cases: tiny checkpoint pairs in the released formats, each with a request and the
+golden values dflash.py computes at every stage of its first rounds.
 
-Each case in conformance/<case>/ is a tiny float32 checkpoint pair in a released format, a request, and
-the values dflash.py computes at every stage of its first rounds:
+Each case in golden/<case>/ holds:
 
     target/, drafter/         config.json + model.safetensors (a vocabulary of 8, so drafts are often right)
     case.json                 the request, the stage list with each stage's tolerance and usual pitfall
     expected.safetensors      '<stage>.<round>' tensors, and the whole run's 'round_drafts' and 'tokens'
 
-A port runs the request on the pair, writes what it computed under the same names (any subset) into one
-safetensors file, and the checker reports, stage by stage, the first position and value that differ and
-which pitfall that stage usually means:
+The pairs are tiny random checkpoints in the exact released formats, written here apart from loading.py
+so that the loader is checked against them (the tests run on them too): weights from seeded draws, so a
+file is byte-identical wherever torch's CPU generator is, norms near 1, matrices with unit-variance
+outputs, the target's LM head `head_scale` times that (so its argmaxes are clear). Config files hold only
+the keys that matter, so that they do not change with the transformers version. A few cases are designed
+pairs: some weights set by hand so that every draft is accepted.
 
-    $ python conformance.py write                                  # the kit, from dflash.py
-    $ python conformance.py dump-fastpath --case laguna --out d.safetensors   # this project's twin
-    $ python conformance.py check d.safetensors --case laguna
-    $ python conformance.py dump-fastpath --graphs --case high-acceptance --out g.safetensors   # on CUDA
-
-Where a stage differs, the checker replays dflash.py with each mistake ports are known to make at that stage
-and names those that reproduce the dump's value.
+checker.py compares a port's dump with a case and names what differs.
 
 Rounds: round 0 is the prefill (the prompt's features and context); round r ≥ 1 drafts a block, verifies
 it and appends the accepted rows and the bonus's predecessor to the context. Shapes: P prompt, k drafts
 verified this round (K, or fewer near max_new_tokens), W block rows (B, or K+1), a accepted drafts.
 """
-if __name__ == "__main__":   # a Ctrl-C while torch and transformers import ends as the CLI's own: exit 130
-    import signal
-    import sys
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
-
 import json
 import math
-import sys
 from contextlib import ExitStack, closing
 from pathlib import Path
 from unittest import mock
@@ -38,14 +29,179 @@ from unittest import mock
 import torch
 from safetensors.torch import load_file, save_file
 
-import checkpoint
-import cli
 import dflash
 import fastpath
-import files
-import tiny
+from dflash_reference import loading, scripts
 
-KIT = Path(__file__).resolve().parent / "conformance"
+# -----------------------------------------------------------------------------
+# Tiny random checkpoints in the released formats
+
+H, T_LAYERS = 32, 6            # hidden size and target layers of every tiny pair
+FORMATS = ["zlab", "zlab-new", "laguna", "dflash2"]
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}   # at H 32
+
+
+# -----------------------------------------------------------------------------
+# Targets
+
+def target_config(family: str, vocab: int, max_pos: int, **extra) -> dict:
+    """config.json of a tiny Qwen3, Llama or Laguna target (the Laguna one: hybrid sliding/full layers with
+    a window of 5, per-layer head counts, MoE layers). `extra` adds or overrides keys."""
+    common = dict(vocab_size=vocab, hidden_size=H, intermediate_size=64, num_hidden_layers=T_LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=max_pos,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if family in ("qwen3", "llama"):
+        return {"model_type": family, "architectures": [{"qwen3": "Qwen3", "llama": "Llama"}[family] + "ForCausalLM"],
+                **common, **extra}
+    return {"model_type": "laguna", "architectures": ["LagunaForCausalLM"], **common, "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention"] * 3, "num_attention_heads_per_layer": [4, 2] * 3,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, **extra}
+
+
+def seeded(shape, name: str, generator, head_scale: float = 4.0) -> torch.Tensor:
+    """Norms near 1, matrices with unit-variance outputs; the target's LM head head_scale times that; a
+    DFlash2 convolution's base taps near the identity (tap 0 near 1, the others near 0)."""
+    if len(shape) == 1:
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    if name.endswith("base_kernel"):   # (2, C, H)
+        identity = torch.zeros(shape)
+        identity[:, 0] = 1.0
+        return identity + 0.1 * torch.randn(shape, generator=generator)
+    scale = head_scale if name == "lm_head.weight" else 1.0
+    return torch.randn(shape, generator=generator) * scale / shape[-1] ** 0.5
+
+
+def write_target(directory: Path, family: str, seed: int, vocab: int, max_pos: int, head_scale: float = 4.0,
+                 **extra) -> Path:
+    """A tiny target: config.json and model.safetensors, each tensor drawn in name order."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(target_config(family, vocab, max_pos, **extra), indent=1,
+                                                      sort_keys=True))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: seeded(t.shape, name, g, head_scale) if t.is_floating_point() else t.clone()
+               for name, t in sorted(model.state_dict().items())}
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+# -----------------------------------------------------------------------------
+# Drafters
+
+def drafter_config(fmt: str, block_size: int, layer_ids, vocab: int, num_layers: int = 2, window: int = 4,
+                   hidden: int = H, head_dim: int = 8, mask_token_id: int | None = None, causal: bool | None = None,
+                   rope_by_type: dict | None = None) -> dict:
+    """config.json of a drafter in a released layout: "zlab" (Qwen3-8B-DFlash-b16: top-level block_size and
+    rope_theta, full layers), "zlab-new" (the Qwen3.5-era layout: block_size in dflash_config,
+    rope_parameters, sliding and full layers alternating, window `window`) or "laguna" (Laguna-XS DFlash:
+    every layer causal and sliding). layer_ids None leaves target_layer_ids out (the default ids); the
+    mask id defaults to the last vocabulary row; causal sets dflash_config.causal (zlab-new); rope_by_type
+    gives one RoPE base per layer type (zlab-new). "dflash2" is z-lab's DFlash2DraftModel layout (spec §9):
+    every layer sliding and bidirectional (top-level is_causal false), the convolution and selector sizes in
+    dflash_config."""
+    arch = dict(hidden_size=hidden, intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, vocab_size=vocab)
+    nested = {"mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id}
+    if layer_ids is not None:
+        nested["target_layer_ids"] = list(layer_ids)
+    if fmt == "zlab":
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "block_size": block_size,
+                "rope_theta": 1000000.0, "num_target_layers": T_LAYERS, "layer_types": ["full_attention"] * num_layers,
+                "dflash_config": nested}
+    if fmt == "zlab-new":
+        rope = {"rope_type": "default", "rope_theta": 10000000.0}
+        if rope_by_type is not None:
+            rope = {kind: {"rope_type": "default", "rope_theta": theta} for kind, theta in rope_by_type.items()}
+        override = {} if causal is None else {"causal": causal}
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **arch, "rope_parameters": rope,
+                "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2) +
+                               ["sliding_attention"] * (num_layers % 2),
+                "sliding_window": window, "dflash_config": {"block_size": block_size, **override, **nested}}
+    if fmt == "dflash2":
+        return {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", **arch, "is_causal": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0}, "num_target_layers": T_LAYERS,
+                "layer_types": ["sliding_attention"] * num_layers, "sliding_window": window, "use_sliding_window": True,
+                "dflash_config": {"block_size": block_size, **DFLASH2, **nested}}
+    assert fmt == "laguna", fmt
+    return {"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna", **arch, "gating": "per-head",
+            "layer_types": ["sliding_attention"] * num_layers, "sliding_window": window,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "dflash_config": {"block_size": block_size, "num_target_layers": T_LAYERS, "causal": True, **nested}}
+
+
+def drafter_tensor_shapes(raw: dict, n: int) -> dict[str, tuple]:
+    """The tensor names and shapes of a drafter checkpoint with n captured layers, as released (docs/checkpoints.md):
+    fc, hidden_norm and norm, and per layer the two norms, attention (q/k/v_proj apart in a z-lab file; one
+    fused qkv_proj and the gate g_proj in a Laguna file), q/k norms and the SwiGLU MLP; Laguna adds one
+    aux_hidden_norms.{i} per captured layer; DFlash2 adds per layer the two convolutions' base_kernel (2, C, H)
+    and kernel_projection (2·C·G, H), and the candidate selector's hidden_projection (r, H) and its two
+    codebooks (V, r), stored without a `.weight` suffix."""
+    laguna = any("Laguna" in arch for arch in raw["architectures"])
+    dflash2 = "DFlash2DraftModel" in raw["architectures"]
+    H, heads, kv_heads, d = raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    inter = raw["intermediate_size"]
+    shapes = {"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for l in range(raw["num_hidden_layers"]):
+        p = f"layers.{l}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if laguna:
+            shapes[p + "self_attn.qkv_proj.weight"] = ((heads + 2 * kv_heads) * d, H)
+            shapes[p + "self_attn.g_proj.weight"] = (heads, H)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (heads * d, H)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_heads * d, H)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_heads * d, H)
+        shapes[p + "self_attn.o_proj.weight"] = (H, heads * d)
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, H)
+        shapes[p + "mlp.up_proj.weight"] = (inter, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, inter)
+        if dflash2:
+            sizes = raw["dflash_config"]
+            C, G = sizes["conv_kernel_size"], H // sizes["conv_group_size"]
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[p + conv + ".base_kernel"] = (2, C, H)
+                shapes[p + conv + ".kernel_projection.weight"] = (2 * C * G, H)
+    if laguna:
+        for i in range(n):
+            shapes[f"aux_hidden_norms.{i}.weight"] = (H,)
+    if dflash2:
+        r, V = raw["dflash_config"]["selector_rank"], raw["vocab_size"]
+        shapes["candidate_selector.hidden_projection.weight"] = (r, H)
+        shapes["candidate_selector.predecessor_codebook"] = (V, r)
+        shapes["candidate_selector.successor_codebook"] = (V, r)
+    return shapes
+
+
+def write_drafter(directory: Path, raw: dict, seed: int, n: int, sharded: bool = False) -> Path:
+    """A drafter with n captured layers: config.json and model.safetensors (or two shards and their index),
+    each tensor drawn in name order."""
+    directory = Path(directory)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: seeded(shape, name, g) for name, shape in sorted(drafter_tensor_shapes(raw, n).items())}
+    directory.mkdir(parents=True, exist_ok=True)
+    if sharded:
+        names = sorted(tensors)
+        halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, part in halves.items():
+            save_file({k: tensors[k] for k in part}, directory / file, metadata={"format": "pt"})
+        (directory / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, part in halves.items() for k in part}}))
+    else:
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(raw, indent=1, sort_keys=True))
+    return directory
+
+
+# -----------------------------------------------------------------------------
+# The cases
+
+KIT = scripts.package_data("conformance", "golden")
 ROUNDS = 8        # stages are kept for rounds 0..ROUNDS; the tokens for the whole generation
 VOCAB, MAX_POS = 8, 128   # every case's vocabulary and positions
 
@@ -153,14 +309,14 @@ CASES = {
 # The checkpoint pair of a case, from seeded draws (byte-identical wherever torch's CPU generator is)
 
 def write_pair(directory: Path, case: dict, seed: int):
-    """The case's target and drafter, as tiny.py writes them: a vocabulary of 8, 128 positions; a designed
+    """The case's target and drafter, as conformance/cases.py writes them: a vocabulary of 8, 128 positions; a designed
     case's then set to count (below)."""
-    tiny.write_target(directory / "target", case["target"], seed, VOCAB, MAX_POS, case.get("head_scale", 4.0))
-    raw = tiny.drafter_config(case["fmt"], case["block_size"], case["layer_ids"], VOCAB, case["layers"],
+    write_target(directory / "target", case["target"], seed, VOCAB, MAX_POS, case.get("head_scale", 4.0))
+    raw = drafter_config(case["fmt"], case["block_size"], case["layer_ids"], VOCAB, case["layers"],
                               case.get("window", 4), causal=case.get("causal"), rope_by_type=case.get("rope_by_type"))
     if "selector_top_k" in case:
         raw["dflash_config"]["selector_top_k"] = case["selector_top_k"]
-    tiny.write_drafter(directory / "drafter", raw, seed + 1, case.get("num_features") or len(case["layer_ids"]))
+    write_drafter(directory / "drafter", raw, seed + 1, case.get("num_features") or len(case["layer_ids"]))
     if case.get("designed"):
         edit_tensors(directory / "target" / "model.safetensors", counting_target)
         edit_tensors(directory / "drafter" / "model.safetensors",
@@ -180,7 +336,7 @@ def edit_tensors(path: Path, edit):
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def unit(i: int, size: int = tiny.H) -> torch.Tensor:
+def unit(i: int, size: int = H) -> torch.Tensor:
     return torch.eye(size)[i]
 
 
@@ -189,7 +345,7 @@ def counting_target(t: dict):
     only a little (their output projections times 0.02): the greedy text walks CYCLE."""
     t["model.embed_tokens.weight"] = torch.stack([unit(0) + unit(1 + x) for x in range(VOCAB)]) \
         + 0.05 * t["model.embed_tokens.weight"]
-    head = torch.zeros(VOCAB, tiny.H)
+    head = torch.zeros(VOCAB, H)
     for x, y in SUCCESSOR.items():
         head[y] += unit(1 + x)
     t["lm_head.weight"] = 3.0 * head + 0.02 * t["lm_head.weight"]
@@ -203,8 +359,8 @@ def copying_drafter(t: dict, offset: int = 8, sharpness: float = 14.0):
     back (its query is its key rotated by RoPE's angles for -offset, sharpened by q/k norms of `sharpness`)
     and copies that row's token into the row: with text of period 7, the token 8 back is the one before the
     row's own, so the target's LM head reads the row's own token. The rest adds only a little."""
-    n, d = t["fc.weight"].shape[1] // tiny.H, t["layers.0.self_attn.q_norm.weight"].shape[0]
-    t["fc.weight"] = torch.cat([torch.eye(tiny.H)] * n, 1) / n + 0.02 * t["fc.weight"]   # the captures' mean
+    n, d = t["fc.weight"].shape[1] // H, t["layers.0.self_attn.q_norm.weight"].shape[0]
+    t["fc.weight"] = torch.cat([torch.eye(H)] * n, 1) / n + 0.02 * t["fc.weight"]   # the captures' mean
     key, query = torch.zeros(d), torch.zeros(d)
     for f in (0, 1):   # RoPE's two fastest frequencies (base 1e6, d 8): 1 and 0.0316 radians a position
         angle = -offset * 1e6 ** (-2 * f / d)
@@ -213,7 +369,7 @@ def copying_drafter(t: dict, offset: int = 8, sharpness: float = 14.0):
         t["layers.0.self_attn.k_proj.weight"].shape[0] // d
     t[p + "q_proj.weight"] = torch.outer(query.repeat(heads), unit(0)) + 0.01 * t[p + "q_proj.weight"]   # from e0
     t[p + "k_proj.weight"] = torch.outer(key.repeat(kv_heads), unit(0)) + 0.01 * t[p + "k_proj.weight"]
-    token_dims = torch.eye(tiny.H)[1:1 + d]                                            # (d, H): e_1 .. e_d
+    token_dims = torch.eye(H)[1:1 + d]                                            # (d, H): e_1 .. e_d
     t[p + "v_proj.weight"] = token_dims.repeat(kv_heads, 1) + 0.01 * t[p + "v_proj.weight"]
     t[p + "o_proj.weight"] = token_dims.T.repeat(1, heads) / heads + 0.01 * t[p + "o_proj.weight"]
     t[p + "q_norm.weight"] = torch.full((d,), sharpness)
@@ -266,7 +422,6 @@ class Recorder:
             self.values[f"{stage}.{r}"] = torch.as_tensor(value).detach().to("cpu").clone()
             if self.stop_at == f"{stage}.{r}":
                 raise Recorded(self.values[self.stop_at])
-
 
     def put_readout(self, r: int, hidden, target, drafter):
         self.put("hidden", r, hidden)
@@ -443,12 +598,12 @@ def record_graphed(case_dir: Path, request: dict) -> dict:
     """fastpath.generate on CUDA (float32), through its compiled and captured graphs: only what a graph replay
     leaves, the whole run's values (round_drafts, acceptance_lengths, tokens), for comparing a graphed run's
     drafts round by round with eager ones."""
-    spec = checkpoint.read_file(Path(case_dir) / "case.json", "conformance case")
+    spec = loading.read_file(Path(case_dir) / "case.json", "conformance case")
     dflash.require(request["temperature"] == 0, f"--graphs: case {spec['case']} is sampled, and a CUDA generator "
                    "draws other uniforms than the kit's CPU one; give a greedy case")
     dflash.require(torch.cuda.is_available(), "--graphs: no CUDA device (the graphs are captured on CUDA only)")
-    target = checkpoint.load_target(str(Path(case_dir) / "target"), torch.float32, "cuda")
-    drafter = checkpoint.load_drafter(str(Path(case_dir) / "drafter"), target, torch.float32, "cuda")
+    target = loading.load_target(str(Path(case_dir) / "target"), torch.float32, "cuda")
+    drafter = loading.load_drafter(str(Path(case_dir) / "drafter"), target, torch.float32, "cuda")
     K = drafter.config.block_size - 1 if request["num_drafts"] is None else request["num_drafts"]
     kwargs = generate_kwargs(request)
     with closing(fastpath.Decoder(target, drafter, fastpath.capacity_for(len(request["prompt_ids"]),
@@ -495,9 +650,9 @@ def request_of(name: str, case: dict) -> dict:
 def load_case(case_dir: Path):
     """The pair (float32, CPU) and the request of a kit case."""
     case_dir = Path(case_dir)
-    spec = checkpoint.read_file(case_dir / "case.json", "conformance case")
-    target = checkpoint.load_target(str(case_dir / "target"), torch.float32, "cpu")
-    drafter = checkpoint.load_drafter(str(case_dir / "drafter"), target, torch.float32, "cpu")
+    spec = loading.read_file(case_dir / "case.json", "conformance case")
+    target = loading.load_target(str(case_dir / "target"), torch.float32, "cpu")
+    drafter = loading.load_drafter(str(case_dir / "drafter"), target, torch.float32, "cpu")
     return target, drafter, spec
 
 
@@ -519,10 +674,10 @@ def write_case(root: Path, name: str, case: dict, seed: int):
     directory = Path(root) / name
     if directory.exists() or directory.is_symlink():   # replaced whole: it must hold nothing but a case
         dflash.require(directory.is_dir(), f"conformance: {directory} is a file, not a case's dir")
-        others = files.foreign_names(directory, CASE_FILES)
+        others = scripts.foreign_names(directory, CASE_FILES)
         dflash.require(not others, f"conformance: {directory} holds files a case does not ({', '.join(others)}); "
                        "move them or give another --kit")
-    files.replace_dir(directory, lambda partial: fill_case(partial, name, case, seed))
+    scripts.replace_dir(directory, lambda partial: fill_case(partial, name, case, seed))
 
 
 def fill_case(directory: Path, name: str, case: dict, seed: int):
@@ -534,8 +689,8 @@ def fill_case(directory: Path, name: str, case: dict, seed: int):
     request = request_of(name, case)
     for seed in range(seed, seed + 40, 2):
         write_pair(directory, case, seed)
-        target = checkpoint.load_target(str(directory / "target"), torch.float32, "cpu")
-        drafter = checkpoint.load_drafter(str(directory / "drafter"), target, torch.float32, "cpu")
+        target = loading.load_target(str(directory / "target"), torch.float32, "cpu")
+        drafter = loading.load_drafter(str(directory / "drafter"), target, torch.float32, "cpu")
         values, gen, recorder = record_reference(target, drafter, request)
         if request["temperature"] > 0:
             greedy = dflash.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"]).tokens
@@ -560,313 +715,3 @@ def fill_case(directory: Path, name: str, case: dict, seed: int):
 def write_kit(root: Path = KIT):
     for i, (name, case) in enumerate(CASES.items()):
         write_case(root, name, case, seed=100 * (i + 1))
-
-
-# -----------------------------------------------------------------------------
-# Checking a dump
-
-def stage_order(keys) -> list[str]:
-    """The keys in the order a decode computes them: by round, then by stage; the whole run's last."""
-    order = list(STAGES)
-    staged = sorted((k for k in keys if k not in WHOLE_RUN),
-                    key=lambda k: (int(k.rsplit(".", 1)[1]), order.index(k.rsplit(".", 1)[0])))
-    return staged + [k for k in WHOLE_RUN if k in keys]
-
-
-def first_difference(got: torch.Tensor, want: torch.Tensor, tolerance: float):
-    """None if equal within tolerance, else (index, got, want) of the first element that differs."""
-    if got.shape != want.shape:
-        return "shape", tuple(got.shape), tuple(want.shape)
-    if not want.is_floating_point():
-        bad = got != want
-    else:
-        got, want = got.double(), want.double()
-        bad = ~((got - want).abs() <= tolerance * (1 + want.abs()))
-    if not bad.any():
-        return None
-    flat = int(bad.flatten().nonzero()[0])
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), want.shape)) if want.dim() else ()
-    return index, got[index].item(), want[index].item()
-
-
-def within_ties(ids, logits, tolerance: float):
-    """top5_ids (W-1, 5) with each run of ranks whose expected logits lie within twice the logits' tolerance
-    of the next sorted by id: near-tied tokens may come in either order in a port that is right."""
-    out = ids.clone()
-    for row in range(ids.shape[0]):
-        start = 0
-        for j in range(1, ids.shape[1] + 1):
-            if j == ids.shape[1] or logits[row, j - 1] - logits[row, j] > 2 * tolerance * (1 + abs(logits[row, j])):
-                out[row, start:j] = ids[row, start:j].sort().values
-                start = j
-    return out
-
-
-def check(case_dir: Path, dump: dict, tolerance: float | None = None, diagnose: bool = True) -> dict:
-    """Compare a dump with a case: per key 'ok', 'missing' or the first difference; the first stage that
-    differs, its pitfall, a note on where it points and (diagnose) the known mistakes that reproduce it. `tolerance` replaces the case's tolerance of every
-    float stage (an engine in bf16 needs about 3e-2): |got − want| ≤ tolerance · (1 + |want|), the case's
-    float32 values the reference; exact stages stay exact."""
-    case_dir = Path(case_dir)
-    spec = checkpoint.read_file(case_dir / "case.json", "conformance case")
-    expected = load_file(case_dir / "expected.safetensors") | {
-        "acceptance_lengths": torch.tensor(spec["acceptance_lengths"])}
-    whole_run = {"tokens": spec["tokens"], "acceptance_lengths": {"tolerance": 0, "pitfall": ACCEPTANCE_PITFALL},
-                 "round_drafts": {"tolerance": 0, "pitfall": ROUND_DRAFTS_PITFALL}}
-    unknown = sorted(set(dump) - set(expected))
-    results, first = {}, None
-    for key in stage_order(expected):
-        stage = key if key in WHOLE_RUN else key.rsplit(".", 1)[0]
-        info = whole_run[key] if key in WHOLE_RUN else spec["stages"][stage]
-        if key not in dump:
-            results[key] = "missing"
-            continue
-        got, want, r = dump[key], expected[key], key.rsplit(".", 1)[-1]
-        tol = info["tolerance"] if tolerance is None or not info["tolerance"] else tolerance
-        if stage == "top5_ids" and got.shape == want.shape and f"top5_logits.{r}" in expected:
-            logits_tol = spec["stages"]["top5_logits"]["tolerance"] if tolerance is None else tolerance
-            got, want = (within_ties(t, expected[f"top5_logits.{r}"].double(), logits_tol) for t in (got, want))
-        if stage in ("candidates", "selector_scores") and f"candidates.{r}" in dump:   # compared by candidate id
-            by_id = dump[f"candidates.{r}"].argsort(-1)
-            got = got.gather(-1, by_id) if got.shape == by_id.shape else got
-        if stage in ("acceptance_lengths", "round_drafts") and got.shape[1:] == want.shape[1:] and \
-                len(got) != len(want):   # runs of other lengths: the first round where they part
-            n = min(len(got), len(want))
-            part = next((i for i in range(n) if not torch.equal(got[i], want[i])), n)
-            diff = ((part,), *(t[part].tolist() if part < len(t) else "none" for t in (got, want)))
-        else:
-            diff = first_difference(got, want, tol)
-        results[key] = "ok" if diff is None else diff
-        earlier_round = first is not None and first["key"] == "round_drafts" and key == "acceptance_lengths" and \
-            diff is not None and diff[0] != "shape" and first["difference"][0] != "shape" and \
-            diff[0][0] < first["difference"][0][0]   # a round verifies what it drafted: the earlier round first
-        if diff is not None and (first is None or earlier_round):
-            first = {"key": key, "stage": stage, "difference": diff, "pitfall": info["pitfall"],
-                     "note": where_it_points(case_dir, stage, diff, want)}
-            if stage in MISTAKES and diagnose:
-                first["mistakes"] = known_mistakes(case_dir, spec["request"], key, got, tol)
-    compared = [key for key, outcome in results.items() if outcome != "missing"]
-    return {"case": spec["case"], "results": results, "first": first, "unknown": unknown, "compared": len(compared),
-            "staged": sum(key not in DRAFTER_BLIND for key in compared), "total": len(results)}
-
-
-def where_it_points(case_dir: Path, stage: str, diff, want) -> str | None:
-    """For a features column: which capture and target layer it holds; for a round: which one."""
-    index = diff[0]
-    if stage == "features" and index != "shape" and len(index) == 2:
-        raw = checkpoint.read_file(case_dir / "drafter" / "config.json", "drafter config")
-        layers = checkpoint.read_file(case_dir / "target" / "config.json", "target config")["num_hidden_layers"]
-        cfg = checkpoint.load_draft_config(raw, layers, want.shape[-1])
-        j = index[1] // cfg.hidden_size
-        layer = cfg.target_layer_ids[j]
-        return (f"column {index[1]} is capture {j} of {len(cfg.target_layer_ids)}: the output of target layer "
-                f"{layer} (0-based; HF hidden_states[{layer + 1}]), row {index[0]} its position")
-    if stage == "acceptance_lengths" and index != "shape":
-        return f"round {index[0] + 1} is the first whose acceptance length differs"
-    if stage == "round_drafts" and index != "shape":
-        return f"round {index[0] + 1} is the first whose drafts differ" + \
-            (f" (at draft {index[1] + 1})" if len(index) == 2 else "")
-    return None
-
-
-# -----------------------------------------------------------------------------
-# Known mistakes: where a stage differs, dflash.py is replayed with each mistake a port is known to make
-# there, and those whose value at the differing key equals the dump's are named
-
-def set_layers(drafter, only=lambda layer: True, **attributes) -> list:
-    for layer in drafter.layers:
-        if only(layer):
-            for name, value in attributes.items():
-                setattr(layer, name, value)
-    return []
-
-
-def block_shifted(offset: int):
-    """dflash.draft_block with the block at positions start + offset …: its queries' and keys' RoPE and mask."""
-    def draft_block(drafter, ctx, block_embeds):
-        positions = torch.arange(ctx.length, ctx.length + len(block_embeds)) + offset                   # (W,)
-        key_positions = torch.cat([torch.arange(ctx.length), positions])                                 # (S+W,)
-        masks = [dflash.attention_mask(positions, key_positions, layer.causal, layer.window) for layer in drafter.layers]
-        return drafter(block_embeds, drafter.rope_tables(positions, block_embeds.dtype),
-                       list(zip(ctx.keys, ctx.values)), masks, block=len(block_embeds))
-    return lambda drafter: [mock.patch.object(dflash, "draft_block", draft_block)]
-
-
-def one_sided_visible_at(delta, causal: bool, window):
-    visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
-    return visible if window is None else visible & (delta < window)
-
-
-def first_rope_base(drafter) -> list:
-    for layer in drafter.layers:
-        layer.self_attn.rope_theta = drafter.config.rope_thetas[0]
-    drafter.config.rope_thetas = [drafter.config.rope_thetas[0]] * len(drafter.layers)
-    return []
-
-
-def bonus_row_early(drafter) -> list:
-    """After each verification, the context takes the row past the accepted ones too: the bonus's own
-    hidden state, a round before the bonus is verified."""
-    real_forward, real_project, verified = dflash.target_forward, dflash.Drafter.project_context, {}
-
-    def target_forward(*args):
-        logits, verified["features"] = real_forward(*args)
-        return logits, verified["features"]
-
-    def project_context(self, features):   # features: the first a+1 of the verified rows, or the prompt's
-        rows = verified["features"]
-        return real_project(self, rows[:len(features) + 1] if len(features) < len(rows) else features)
-    return [mock.patch.object(dflash, "target_forward", target_forward),
-            mock.patch.object(dflash.Drafter, "project_context", project_context)]
-
-
-def without(module_name: str):
-    return lambda drafter: setattr(drafter, module_name, torch.nn.Identity()) or []
-
-
-# stage -> {the mistake: (whether a drafter can make it, the mistake made on a fresh pair -> patches to enter)}
-MISTAKES = {
-    "hidden": {
-        "a causal mask over the block (no row sees a later one)": (
-            lambda d: not all(layer.causal for layer in d.layers), lambda d: set_layers(d, causal=True)),
-        "the causality override ignored (its sliding layers causal, as without dflash_config.causal false)": (
-            lambda d: any(layer.window and not layer.causal for layer in d.layers) and
-            any(layer.window is None for layer in d.layers),
-            lambda d: set_layers(d, lambda layer: layer.window is not None, causal=True)),
-        "no causal mask (the rows of a causal layer see later rows)": (
-            lambda d: any(layer.causal for layer in d.layers), lambda d: set_layers(d, causal=False)),
-        "a sliding layer as full attention (no window, no causal mask)": (
-            lambda d: any(layer.window and layer.causal for layer in d.layers),
-            lambda d: set_layers(d, lambda layer: layer.window is not None, causal=False, window=None)),
-        "the block one position late (its rows at start + 1 …)": (lambda d: True, block_shifted(1)),
-        "the block one position early (its rows at start − 1 …)": (lambda d: True, block_shifted(-1)),
-        "no sliding window": (lambda d: any(layer.window for layer in d.layers), lambda d: set_layers(d, window=None)),
-        "the window on one side only (a bidirectional sliding layer)": (
-            lambda d: any(layer.window and not layer.causal for layer in d.layers),
-            lambda d: [mock.patch.object(dflash, "visible_at", one_sided_visible_at)]),
-        "the first layer's RoPE base in every layer": (lambda d: len(set(d.config.rope_thetas)) > 1, first_rope_base),
-        "no final norm": (lambda d: True, without("norm")),
-    },
-    "context": {
-        "no hidden_norm after fc": (lambda d: True, without("hidden_norm")),
-        "no per-capture norms (aux_hidden_norms)": (lambda d: d.aux_hidden_norms is not None,
-                                                    lambda d: setattr(d, "aux_hidden_norms", None) or []),
-        "the bonus's hidden state in the context a round early (a row past the accepted drafts)": (
-            lambda d: True, bonus_row_early),
-    },
-}
-
-
-def known_mistakes(case_dir: Path, request: dict, key: str, got, tolerance: float) -> tuple[list, list]:
-    """Replay the case with each known mistake at key's stage, up to key -> (the mistakes whose value there
-    equals got within tolerance, every mistake replayed)."""
-    known, probe = MISTAKES[key.rsplit(".", 1)[0]], load_case(case_dir)[1]
-    found, tried = [], [mistake for mistake, (applies, _) in known.items() if applies(probe)]
-    for mistake in tried:   # each on a fresh pair: a mistake changes the drafter it is made on
-        target, drafter, _ = load_case(case_dir)
-        with ExitStack() as patches:
-            for patch in known[mistake][1](drafter):
-                patches.enter_context(patch)
-            try:
-                record_reference(target, drafter, request, stop_at=key)
-                continue   # the replay never reached key
-            except Recorded as replayed:
-                if first_difference(got, replayed.value, tolerance) is None:
-                    found.append(mistake)
-    return found, tried
-
-
-def report(result: dict) -> str:
-    lines = [f"case {result['case']}"]
-    for key, outcome in result["results"].items():
-        if outcome in ("ok", "missing"):
-            lines.append(f"  {key:<20} {outcome}")
-        else:
-            index, got, want = outcome
-            what = f"shape {got}, expected {want}" if index == "shape" else \
-                f"at {list(index)}: {got!r}, expected {want!r}"
-            lines.append(f"  {key:<20} DIFFERS {what}")
-    if result["unknown"]:
-        lines.append(f"  not in the kit (ignored): {result['unknown']}")
-    first = result["first"]
-    lines.append(f"compared {result['compared']} of the case's {result['total']} values")
-    if not result["compared"]:
-        lines.append("nothing compared: the dump holds none of the case's keys ('<stage>.<round>', tokens, "
-                     "acceptance_lengths)")
-    elif first is not None:
-        lines.append(f"first difference: {first['key']} ({first['stage']}); usually {first['pitfall']}")
-        if first["note"]:
-            lines.append(f"  {first['note']}")
-        if "mistakes" in first:
-            found, tried = first["mistakes"]
-            lines += [f"  {first['key']} is what dflash.py computes with {m}" for m in found] or \
-                [f"  no known mistake reproduces {first['key']} (replayed: {'; '.join(tried)})"]
-    elif not result["staged"]:
-        lines.append("no verdict: only tokens and acceptance_lengths were compared, and the target's verification "
-                     "keeps the tokens right whatever a drafter bug drafts; dump the stages ('<stage>.<round>') "
-                     "or round_drafts")
-    else:
-        lines.append("conforms: every stage given matches")
-    return "\n".join(lines)
-
-
-def verdict(result: dict) -> bool:
-    """Whether a dump conforms: something of the drafter's compared, and nothing differs."""
-    return result["first"] is None and result["staged"] > 0
-
-
-# -----------------------------------------------------------------------------
-# CLI
-
-def case_dir(name: str, kit: Path) -> Path:
-    dflash.require(Path(kit).is_dir(), f"--kit '{kit}': no such directory")
-    directory = Path(kit) / name
-    dflash.require("/" not in name and (directory / "case.json").is_file(), f"--case = {name!r} is not in {kit} "
-                   f"(cases: {', '.join(sorted(p.name for p in Path(kit).iterdir() if (p / 'case.json').is_file()))})")
-    return directory
-
-
-def main(argv=None):
-    p = cli.parser("DFlash conformance kit: golden stage values and a checker.")
-    p.add_argument("--kit", default=str(KIT), help="the kit's dir (default: conformance/ beside this file)")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("write", help="write every case from dflash.py")
-    s = sub.add_parser("dump-fastpath", help="run fastpath.py on a case and write its dump")
-    s.add_argument("--case", required=True)
-    s.add_argument("--out", required=True, help="the dump to write (.safetensors)")
-    s.add_argument("--graphs", action="store_true", help="run on CUDA through the captured graphs: a dump of the "
-                   "whole run's values (round_drafts, acceptance_lengths, tokens), the stages being inside the graphs")
-    s = sub.add_parser("check", help="compare an engine's dump with a case, stage by stage")
-    s.add_argument("dump", help="a .safetensors file of '<stage>.<round>' tensors (any subset)")
-    s.add_argument("--case", required=True)
-    s.add_argument("--tolerance", type=float, help="one tolerance for every float stage, against the case's float32 "
-                   "values (about 3e-2 for an engine in bf16; default: each stage's own, for float32)")
-    args = p.parse_args(argv)
-    cli.quiet_transformers()
-    torch.set_num_threads(1)   # tiny models: determinism over speed
-    dflash.require(not Path(args.kit).exists() or Path(args.kit).is_dir(), f"--kit '{args.kit}' is a file")
-    if args.command == "dump-fastpath":   # checked before fastpath runs
-        dflash.require(not Path(args.out).is_dir() and Path(args.out).resolve().parent.is_dir(),
-                       f"--out '{args.out}' must name a file in a directory that exists")
-    if args.command == "write":
-        write_kit(Path(args.kit))
-        return print(f"wrote {len(CASES)} cases to {args.kit}")
-    directory = case_dir(args.case, Path(args.kit))
-    if args.command == "dump-fastpath":
-        spec = checkpoint.read_file(directory / "case.json", "conformance case")
-        if args.graphs:
-            save_file(record_graphed(directory, spec["request"]), args.out)
-        else:
-            target, drafter, spec = load_case(directory)
-            save_file(record_fastpath(target, drafter, spec["request"]), args.out)
-        return print(f"wrote {args.out}")
-    dflash.require(args.tolerance is None or 0 < args.tolerance < 1, f"--tolerance = {args.tolerance} must be in (0, 1)")
-    dump = checkpoint.read_file(Path(args.dump), "dump", load_file)
-    result = check(directory, dump, args.tolerance)
-    print(report(result))
-    if not verdict(result):
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    cli.run(main)

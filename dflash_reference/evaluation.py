@@ -1,9 +1,9 @@
 """Measure a DFlash drafter: τ, acceptance per draft position, speedup over the target alone
 (tokens/s against tokens/s, each timed by the wall clock), and losslessness on every prompt, on
-MT-Bench and HumanEval (packages.py reads them from their PyPI packages). Both runs of each prompt go through the same implementation: dflash.py's
+MT-Bench and HumanEval (loading.py reads them from their PyPI packages). Both runs of each prompt go through the same implementation: dflash.py's
 generate, or two held fastpath Decoders (the target alone, and DFlash).
 
-    $ python evaluation.py --target DIR --draft drafter/SmolLM2-135M-Instruct-DFlash2-b16 --impl fastpath --out eval
+    $ dflash-eval --target DIR --draft drafter/SmolLM2-135M-Instruct-DFlash2-b16 --impl fastpath --out eval
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import cli
 import dflash
 import fastpath
-import files
-import packages
 from dflash import DFlashError, Drafter
+from dflash_reference import loading, scripts
 
 
 # -----------------------------------------------------------------------------
@@ -43,49 +40,59 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def evaluate(generate_fn, target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
              stop_ids=(), progress: bool = True, sampling: dflash.Sampling = dflash.Sampling(),
-             seed: int = 0) -> dict:
+             seed: int = 0, on_prompt=None) -> dict:
     """DFlash against the target alone on each prompt, through `generate_fn` (dflash.generate, or
-    any function with its signature and Generation result). The first prompt runs once untimed
-    as warm-up (compilation, allocator). τ is pooled over every round of every prompt; speedup is
+    any function with its signature and Generation result). A short untimed run of the first prompt
+    warms up first (compilation, allocator). τ is pooled over every round of every prompt; speedup is
     DFlash's tokens/s over the target alone's (generate_fn with no drafter), each its tokens over its
     total time: where the two texts differ in length (sampling, or bf16 near-ties) a ratio of times
     would credit the shorter text with speed.
     Greedy runs must match the target alone token for token ("lossless"); sampled runs draw other
-    random numbers than the target alone, so there "lossless" is None (tests check the law)."""
+    random numbers than the target alone, so there "lossless" is None (tests check the law).
+    on_prompt(result so far) runs after each prompt, so that a caller can save as it goes."""
     from tqdm import tqdm
     device = target.get_input_embeddings().weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def timed(d, ids):
+    def timed(d, ids, max_new=max_new_tokens):
         sync()
         t0 = time.perf_counter()
-        gen = generate_fn(target, d, ids, max_new_tokens, stop_ids=stop_ids, sampling=sampling, seed=seed)
+        gen = generate_fn(target, d, ids, max_new, stop_ids=stop_ids, sampling=sampling, seed=seed)
         sync()
         return gen, time.perf_counter() - t0
 
     if not prompts:
         raise DFlashError("evaluate: no prompts")
-    timed(None, prompts[0])      # warm-up, untimed
-    K = len(timed(drafter, prompts[0])[0].position_drafted)   # drafts per round: block_size - 1 unless set
-    accepted, drafted, lengths, per_prompt = [0] * K, [0] * K, [], []
-    t_target, t_dflash, target_tokens = 0.0, 0.0, 0
-    for ids in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
+    warm_up = min(max_new_tokens, 2 * drafter.config.block_size)   # every step's shapes, not a whole answer
+    timed(None, prompts[0], warm_up)
+    K = len(timed(drafter, prompts[0], warm_up)[0].position_drafted)   # drafts per round: block_size - 1 unless set
+    per_prompt = []
+    bar = tqdm(prompts, desc="eval", unit="prompt", disable=not progress)
+    for ids in bar:
         reference, seconds_ref = timed(None, ids)
         gen, seconds = timed(drafter, ids)
-        t_target, t_dflash = t_target + seconds_ref, t_dflash + seconds
-        target_tokens += len(reference.tokens)
-        lengths += gen.acceptance_lengths
-        for k in range(K):
-            accepted[k] += gen.position_accepted[k]
-            drafted[k] += gen.position_drafted[k]
         per_prompt.append({"prompt_tokens": len(ids), "new_tokens": len(gen.tokens), "tau": gen.tau,
-                           "target_s": seconds_ref, "dflash_s": seconds,
-                           "first_mismatch": first_difference(gen.tokens, reference.tokens)})
-    greedy = sampling.temperature == 0
+                           "target_tokens": len(reference.tokens), "target_s": seconds_ref, "dflash_s": seconds,
+                           "first_mismatch": first_difference(gen.tokens, reference.tokens),
+                           "acceptance_lengths": gen.acceptance_lengths,
+                           "position_accepted": gen.position_accepted, "position_drafted": gen.position_drafted})
+        result = summary(per_prompt, K, drafter.config.block_size, max_new_tokens, sampling.temperature == 0)
+        bar.set_postfix(tau=f"{result['tau']:.2f}" if result["tau"] is not None else "-",
+                        speedup=f"{result['speedup']:.2f}x")
+        if on_prompt is not None:
+            on_prompt(result)
+    return result
+
+
+def summary(per_prompt: list[dict], K: int, block_size: int, max_new_tokens: int, greedy: bool) -> dict:
+    """The figures of the prompts run so far (evaluate's per-prompt records)."""
+    lengths = [n for p in per_prompt for n in p["acceptance_lengths"]]
+    accepted = [sum(p["position_accepted"][k] for p in per_prompt) for k in range(K)]
+    drafted = [sum(p["position_drafted"][k] for p in per_prompt) for k in range(K)]
+    t_target, t_dflash = sum(p["target_s"] for p in per_prompt), sum(p["dflash_s"] for p in per_prompt)
+    target_tokens, new_tokens = sum(p["target_tokens"] for p in per_prompt), sum(p["new_tokens"] for p in per_prompt)
     mismatches = [i for i, p in enumerate(per_prompt) if p["first_mismatch"] is not None] if greedy else []
-    new_tokens = sum(p["new_tokens"] for p in per_prompt)
-    return {"prompts": len(prompts), "block_size": drafter.config.block_size, "num_drafts": K,
-            "max_new_tokens": max_new_tokens,
+    return {"prompts": len(per_prompt), "block_size": block_size, "num_drafts": K, "max_new_tokens": max_new_tokens,
             "tau": sum(lengths) / len(lengths) if lengths else None,   # None: no round ran (nothing to rate)
             "acceptance": [a / d if d else None for a, d in zip(accepted, drafted)],   # None: never drafted
             "target_seconds": t_target, "dflash_seconds": t_dflash,
@@ -190,40 +197,55 @@ def fastpath_generate(stack: ExitStack, target, drafter, capacity: int, K: int, 
 def main(argv=None):
     args = parse_args(argv)
     dflash.require(args.limit is None or args.limit >= 1, f"--limit = {args.limit} must be at least 1")
-    cli.require_seed(args.seed)
+    scripts.require_seed(args.seed)
     dflash.require(args.max_new_tokens >= 1, f"--max-new-tokens = {args.max_new_tokens} must be at least 1")
     dflash.require(args.target is None or args.draft is not None, f"--target = {args.target!r} needs --draft")
     out = Path(args.out)
     dflash.require(not out.exists() or out.is_dir(), f"--out {out} is a file; give a directory for eval.json")
-    cli.quiet_transformers()
-    device, dtype = cli.device_and_dtype(args.device, args.dtype)
+    scripts.quiet_transformers()
+    device, dtype = scripts.device_and_dtype(args.device, args.dtype)
     sampling = dflash.Sampling(args.temperature, args.top_p, args.top_k, args.drafts)
-    args.target, args.draft = cli.pair_paths(args.target, args.draft)
-    target, tokenizer = cli.load_target_and_tokenizer(args.target, dtype, device)
-    drafter = checkpoint.load_drafter(args.draft, target, dtype, device)
+    args.target, args.draft = loading.pair_paths(args.target, args.draft)
+    target, tokenizer = loading.load_target_and_tokenizer(args.target, dtype, device)
+    drafter = loading.load_drafter(args.draft, target, dtype, device)
     K = args.num_drafts if args.num_drafts is not None else \
-        cli.default_num_drafts(drafter.config.block_size, device)
+        scripts.default_num_drafts(drafter.config.block_size, device)
     # the request's limits checked once, before the data sets load (each prompt's length is checked as it runs)
     dflash.check_request([0], args.max_new_tokens, K, **dflash.request_limits(target, drafter))
-    stops = cli.stop_token_ids(target, tokenizer)
-    prompts = {name: [cli.encode_chat(tokenizer, text) for text in packages.EVAL_DATASETS[name]()[:args.limit]]
+    stops = loading.stop_token_ids(target, tokenizer)
+    prompts = {name: [loading.encode_chat(tokenizer, text) for text in loading.EVAL_DATASETS[name]()[:args.limit]]
                for name in args.datasets}
     out.mkdir(parents=True, exist_ok=True)
     hardware = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
     report = {"target": args.target, "draft": args.draft, "impl": args.impl, "device": hardware,
               "dtype": str(dtype).removeprefix("torch."), "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "drafts": args.drafts, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-              "num_drafts": K, "datasets": {}}
+              "num_drafts": K, "interrupted": False, "datasets": {}}
     with ExitStack() as stack:
         generate_fn = functools.partial(dflash.generate, num_drafts=K)
         if args.impl == "fastpath":   # one buffer size for every prompt: one compile, not one per length
             longest = max(len(ids) for batch in prompts.values() for ids in batch)
             capacity = fastpath.capacity_for(longest, args.max_new_tokens, K)
             generate_fn = fastpath_generate(stack, target, drafter, capacity, K, sampling)
+        def save(name, result):   # after every prompt, in one step: an interrupted run keeps what it ran
+            report["datasets"][name] = result
+            scripts.replace_file(out / "eval.json", lambda p: p.write_text(json.dumps(report, indent=1)))
+
         for name, batch in prompts.items():
-            r = evaluate(generate_fn, target, drafter, batch, args.max_new_tokens, stops, sampling=sampling,
-                         seed=args.seed)
-            report["datasets"][name] = r
+            print(f"{name}: {len(batch)} prompts; warming up on the first (untimed"
+                  f"{', compiling and capturing the steps' if args.impl == 'fastpath' and device.startswith('cuda') else ''})",
+                  file=sys.stderr)
+            try:
+                r = evaluate(generate_fn, target, drafter, batch, args.max_new_tokens, stops, sampling=sampling,
+                             seed=args.seed, on_prompt=functools.partial(save, name))
+            except KeyboardInterrupt:
+                report["interrupted"] = True
+                if name in report["datasets"]:
+                    save(name, report["datasets"][name])
+                done = {n: d["prompts"] for n, d in report["datasets"].items()}
+                print(f"\ninterrupted: {out / 'eval.json'} holds the prompts run, "
+                      f"{', '.join(f'{n} {c}' for n, c in done.items()) or 'none'}", file=sys.stderr)
+                raise SystemExit(130) from None
             verdict = {True: "lossless", None: "sampled"}.get(r["lossless"], f"MISMATCH on prompts {r['mismatched_prompts']}")
             if r["lossless"] is False and dtype in (torch.bfloat16, torch.float16):
                 verdict = (f"differs from the target alone on {len(r['mismatched_prompts'])}/{r['prompts']} prompts: in "
@@ -233,28 +255,33 @@ def main(argv=None):
             print(f"{name}: {r['prompts']} prompts, τ {tau}, speedup {r['speedup']:.2f}x "
                   f"({r['dflash_tokens_per_s']:.1f} vs {r['target_tokens_per_s']:.1f} tokens/s), {verdict}",
                   file=sys.stderr)
-            # after each dataset, and in one step: a cut run keeps the datasets before
-            files.replace_file(out / "eval.json", lambda p: p.write_text(json.dumps(report, indent=1)))
     plotted = plot_eval(report["datasets"], out / "eval.png")
     print(f"-> {out / 'eval.json'}" + (f", {out / 'eval.png'}" if plotted else " (no matplotlib: no plot)"),
           file=sys.stderr)
 
 
 def parse_args(argv=None):
-    p = cli.parser("τ, acceptance per position, speed and losslessness of a DFlash drafter on MT-Bench and "
+    p = scripts.parser("τ, acceptance per position, speed and losslessness of a DFlash drafter on MT-Bench and "
                    "HumanEval.")
-    cli.add_pair_flags(p)
-    p.add_argument("--datasets", nargs="+", choices=list(packages.EVAL_DATASETS), default=list(packages.EVAL_DATASETS))
+    scripts.add_pair_flags(p)
+    p.add_argument("--datasets", nargs="+", choices=list(loading.EVAL_DATASETS), default=list(loading.EVAL_DATASETS),
+                   help="evaluation sets to run, in order")
     p.add_argument("--limit", type=int, help="first N prompts of each dataset (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most per prompt")
     p.add_argument("--impl", default="dflash", choices=["dflash", "fastpath"], help="implementation that decodes")
     p.add_argument("--num-drafts", type=int, help="drafts K per round (default block_size - 1; on CPU at most "
-                   f"{cli.CPU_NUM_DRAFTS}, as the CLI)")
-    cli.add_sampling_flags(p, "sampling seed (both runs of a prompt)", seed_default=0)
+                   f"{scripts.CPU_NUM_DRAFTS}, as the CLI)")
+    scripts.add_sampling_flags(p, "sampling seed (both runs of a prompt)", seed_default=0)
     p.add_argument("--out", default="eval", help="dir for eval.json and eval.png")
-    cli.add_device_flags(p)
+    scripts.add_device_flags(p)
     return p.parse_args(argv)
 
 
+
+def command():
+    """`dflash-eval`: main, with bad input as one `error:` line (exit 2) and Ctrl-C as exit 130."""
+    scripts.run(main)
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    command()

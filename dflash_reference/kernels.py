@@ -1,4 +1,4 @@
-"""The Triton kernels, each beside the plain-torch function it must equal.
+"""The decoding's Triton kernels, each beside the plain-torch function it must equal.
 
 Each section holds one computation twice: the plain-torch function, which runs on CPU, in float64 and
 wherever Triton is missing, and is what the tests hold the kernel to; and its Triton kernel, which the
@@ -10,9 +10,9 @@ never the math: fp32 inside, results rounded to the working dtype as the plain f
   - `attend_upto`: attention by buffer slot, each query seeing one range of slots (fastpath, BatchDecoder);
   - `sample`: inverse-CDF draws, a token per row (fastpath's drawn drafts and verify at T > 0);
   - `topk`: the k largest of each row, largest first (DFlash2's candidates);
-  - `candidate_walk`: DFlash2's candidate selector walking a block's drafts (fastpath's draft part);
-  - `head_chunk_grad`: the cross-entropy through the frozen LM head and its gradient, a chunk of rows at a
-    time (train.py).
+  - `candidate_walk`: DFlash2's candidate selector walking a block's drafts (fastpath's draft part).
+
+Training's kernel, the loss through the frozen LM head, is beside its loss (training/objective.py).
 
 Shapes: Bt sequences, N rows, h/hk query/key heads, d head_dim, C or S buffer slots, V vocab.
 """
@@ -504,69 +504,3 @@ def triton_candidate_walk(selector, hidden, logits, anchor, temperature: float, 
                          k if q is None else q.stride(0), NP=triton.next_power_of_2(N), KP=KP, SAMPLED=sampled,
                          num_warps=1)
     return drafts, candidates, q
-
-
-# -----------------------------------------------------------------------------
-# The frozen LM head's cross-entropy, a chunk of rows at a time, and its gradient to the logits
-
-def head_chunk_grad(logits, labels, row_weights):
-    """One chunk of FrozenHeadCrossEntropy: logits (c, V) in the head's dtype, labels (c,), row weights
-    (c,) -> Σ w · CE and its gradient to the logits, w · (softmax − onehot), in the head's dtype, with
-    the softmax in float32 (float64 for a float64 head). Pointwise but for the softmax's row sums, so
-    that compiled (`train --compile`) it is a few fused passes over the logits rather than one per op.
-    The plain-torch twin of triton_head_chunk_grad, which head_loss_chunk takes on CUDA."""
-    exact = torch.promote_types(logits.dtype, torch.float32)
-    log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
-    loss = -(row_weights * log_p.gather(1, labels[:, None])[:, 0]).sum()
-    onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]   # (c, V)
-    d_logits = (log_p.exp() - onehot.to(exact)) * row_weights[:, None]                # (c, V)
-    return loss, d_logits.to(logits.dtype)
-
-
-if triton is not None:
-    @triton.jit
-    def _head_chunk_grad(Logits, Labels, Weights, Grad, RowLoss, V, stride, BLOCK: tl.constexpr):
-        """Row r of a chunk: its log-partition log Σ exp(x) in one online pass over the row's logits x,
-        then its loss w·(log Z − x[y]) and, in a second pass, its gradient w·(exp(x − log Z) − onehot(y))
-        in the logits' dtype; float32 inside."""
-        r = tl.program_id(0).to(tl.int64)
-        row, cols = Logits + r * stride, tl.arange(0, BLOCK)
-        run_max = tl.full([BLOCK], -1e30, tl.float32)   # finite: a lane past V adds exp(-inf) = 0, not NaN
-        run_sum = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            x = tl.load(row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(run_max, x)
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
-            run_max = new_max
-        top = tl.max(run_max, 0)
-        log_z = top + tl.log(tl.sum(run_sum * tl.exp(run_max - top), 0))
-        label, w = tl.load(Labels + r), tl.load(Weights + r).to(tl.float32)
-        tl.store(RowLoss + r, w * (log_z - tl.load(row + label).to(tl.float32)))
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            x = tl.load(row + c, mask=c < V, other=0.0).to(tl.float32)
-            grad = (tl.exp(x - log_z) - (c == label).to(tl.float32)) * w
-            tl.store(Grad + r * V + c, grad.to(Grad.dtype.element_ty), mask=c < V)
-
-
-# a row's tile and the kernel's warps: 0.651 ms a chunk of 8,192 rows on the H200, 1.69× its floor (the
-# fastest of twelve tried, 0.651–1.001 ms; docs/speed.md)
-HEAD_BLOCK, HEAD_WARPS = 2048, 8
-
-
-def triton_head_chunk_grad(logits, labels, row_weights, block: int = HEAD_BLOCK, warps: int = HEAD_WARPS):
-    """head_chunk_grad as one Triton kernel, a program per row: the logits read twice (the second time
-    mostly from L2) and the gradient written once. On the H200, 0.651 ms a chunk of 8,192 × 49,152
-    against 1.330 for head_chunk_grad compiled by inductor. Labels must lie in [0, V) (block_loss
-    drops the rows without one; checking here would read them back to the host). log Z is summed at
-    the scale of the largest logit, so far from 0 (|logits| in the hundreds) it rounds more than the
-    twin; a drafter's logits stay well inside that."""
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    labels, row_weights = labels.contiguous(), row_weights.contiguous()                # read at r, not r·stride
-    (c, V), exact = logits.shape, torch.promote_types(logits.dtype, torch.float32)
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)          # (c, V)
-    row_loss = torch.empty(c, dtype=exact, device=logits.device)                   # (c,)
-    if c:
-        _head_chunk_grad[(c,)](logits, labels, row_weights, grad, row_loss, V, logits.stride(0),
-                               BLOCK=block, num_warps=warps)
-    return row_loss.sum(), grad

@@ -1,20 +1,27 @@
-"""Training's forward: blocks drawn at anchors in the target's answers, every block drafted in one pass.
+"""What a training step computes: blocks drawn at anchors in the target's answers, every block drafted in
+one packed pass, and the loss through the target's frozen LM head (with DFlash2's selector loss).
 
-A block at anchor a is [x_a, m, …, m] at positions a..a+B-1 with same-position labels x_{a+k} (spec §7).
-The packed forward runs them through dflash.py's own `Drafter.forward`, each sequence of a batch as one
-row: its blocks are one run of query rows against its context's K/V and themselves, under a rule that
-keeps each block to the context strictly before its anchor and to its own rows, within them the layer's
-causal and window rule as at inference. On CUDA the rule runs as flex attention over the context's
-tiles that some row sees (`PackedMask`), elsewhere as a dense mask through SDPA.
+A block at anchor a is [x_a, m, …, m] at positions a..a+B-1 with same-position labels x_{a+k} (the
+DFlash paper, §3). The packed forward runs them through dflash.py's own `Drafter.forward`, each sequence
+of a batch as one row: its blocks are one run of query rows against its context's K/V and themselves,
+under a rule that keeps each block to the context strictly before its anchor and to its own rows, within
+them the layer's causal and window rule as at inference. On CUDA the rule runs as flex attention over the
+context's tiles that some row sees (`PackedMask`), elsewhere as a dense mask through SDPA.
+
+The loss is the weighted cross-entropy of each block row with the target's own token there, through the
+frozen LM head a chunk of rows at a time (never the whole (M, V) logits), or with `soft` the KL to the
+target's distribution; DFlash2 adds the k-way cross-entropy of the candidate selector's scores with the
+gold token before each row.
 
 Shapes (as in dflash.py, plus): Bt sequences in a batch, N padded sequence length, M blocks, B block
-size, P the most blocks a sequence of the batch has, H hidden, h/hk query/key heads, d head_dim.
+size, P the most blocks a sequence of the batch has, H hidden, h/hk query/key heads, d head_dim, V vocab;
+R the labelled block rows, k the selector's candidates a row, r its rank.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +30,17 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_mask
 
 import dflash
 from dflash import Drafter, require
-from distill import Sequence
 
+if TYPE_CHECKING:   # a type only: a Sequence is what distill writes, (N,) ids and the prompt's length
+    from dflash_reference.training.distill import Sequence
+
+try:   # CUDA builds of torch ship Triton; without it the loss's chunks run their plain-torch twin
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 # -----------------------------------------------------------------------------
-# Training blocks: anchors in the response, same-position labels (spec §7)
+# Training blocks: anchors in the response, same-position labels (docs/training.md)
 
 IGNORE = -100   # label of rows without a target: the bonus row, rows past the end
 
@@ -225,12 +239,9 @@ class PackedMask(NamedTuple):
     context: BlockMask
     own: torch.Tensor
 
-    def attend(self, q, keys, values):   # dflash.attend hands a mask that has this method its attention
-        return attend_packed(q, keys, values, self)
-
 
 def attend_packed(q, keys, values, mask: PackedMask):
-    """attend under a PackedMask, in two parts joined by their log-sum-exps: the context through flex
+    """dflash.attend under a PackedMask (the attention Drafter.forward takes on CUDA), in two parts joined by their log-sum-exps: the context through flex
     attention (only the tiles some row sees, the K/V heads shared in the kernel) and each block's own B × B
     rows as small dense products. Kept out of the flex call, the own rows add no partly seen tiles to it
     (in it, each 128-row tile of 8 blocks of 16 would meet one or two tiles of the rows' keys, 1/8 seen,
@@ -256,6 +267,12 @@ def attend_packed(q, keys, values, mask: PackedMask):
     return out.to(q.dtype)
 
 
+def runs_flex(device, head_dim: int) -> bool:
+    """Whether the packed forward attends through flex attention (a PackedMask, attend_packed): its fused
+    kernels run on CUDA, for head dims of 16 and more; elsewhere SDPA over a dense mask."""
+    return device.type == "cuda" and head_dim >= 16
+
+
 def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     """dflash.draft_block for every block at once, through the same Drafter.forward: contexts c
     (Bt, N, H) at positions 0..N-1 and block embeddings x (M, B, H), block j of sequence sequence[j]
@@ -273,8 +290,7 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     block_anchors, slots = to_device(block_anchors, device), to_device(slots, device)   # empty slots at anchor 0
     rows_x = x.new_zeros(Bt * P, B, H).index_copy(0, slots, x).view(Bt, P * B, H)     # (Bt, P·B, H)
     positions = (block_anchors[..., None] + torch.arange(B, device=device)).flatten(1)   # (Bt, P·B)
-    # flex attention's fused kernels run on CUDA, for head dims of 16 and more; elsewhere SDPA, dense mask
-    sparse = device.type == "cuda" and drafter.config.head_dim >= 16
+    sparse = runs_flex(device, drafter.config.head_dim)
     masks = {}   # one per distinct (causal, window) rule
     for layer in drafter.layers:
         if (layer.causal, layer.window) not in masks:
@@ -288,5 +304,233 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors):
     # (H200, 32 sequences a step: 184 against 266 ms, p90 202 against 1,624)
     with sdpa_kernel(dflash.TARGET_ATTENTION):
         hidden = drafter(rows_x, row_tables, context, [masks[layer.causal, layer.window] for layer in drafter.layers],
-                         block=B)
+                         block=B, attend=attend_packed if sparse else dflash.attend)
     return hidden.view(Bt * P, B, H)[slots]                                           # (M, B, H)
+
+
+# -----------------------------------------------------------------------------
+# The frozen LM head's cross-entropy, a chunk of rows at a time, and its gradient to the logits
+
+def head_chunk_grad(logits, labels, row_weights):
+    """One chunk of FrozenHeadCrossEntropy: logits (c, V) in the head's dtype, labels (c,), row weights
+    (c,) -> Σ w · CE and its gradient to the logits, w · (softmax − onehot), in the head's dtype, with
+    the softmax in float32 (float64 for a float64 head). Pointwise but for the softmax's row sums, so
+    that compiled (`train --compile`) it is a few fused passes over the logits rather than one per op.
+    The plain-torch twin of triton_head_chunk_grad, which head_loss_chunk takes on CUDA."""
+    exact = torch.promote_types(logits.dtype, torch.float32)
+    log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
+    loss = -(row_weights * log_p.gather(1, labels[:, None])[:, 0]).sum()
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]   # (c, V)
+    d_logits = (log_p.exp() - onehot.to(exact)) * row_weights[:, None]                # (c, V)
+    return loss, d_logits.to(logits.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _head_chunk_grad(Logits, Labels, Weights, Grad, RowLoss, V, stride, BLOCK: tl.constexpr):
+        """Row r of a chunk: its log-partition log Σ exp(x) in one online pass over the row's logits x,
+        then its loss w·(log Z − x[y]) and, in a second pass, its gradient w·(exp(x − log Z) − onehot(y))
+        in the logits' dtype; float32 inside."""
+        r = tl.program_id(0).to(tl.int64)
+        row, cols = Logits + r * stride, tl.arange(0, BLOCK)
+        run_max = tl.full([BLOCK], -1e30, tl.float32)   # finite: a lane past V adds exp(-inf) = 0, not NaN
+        run_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            x = tl.load(row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(run_max, x)
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
+            run_max = new_max
+        top = tl.max(run_max, 0)
+        log_z = top + tl.log(tl.sum(run_sum * tl.exp(run_max - top), 0))
+        label, w = tl.load(Labels + r), tl.load(Weights + r).to(tl.float32)
+        tl.store(RowLoss + r, w * (log_z - tl.load(row + label).to(tl.float32)))
+        for start in range(0, V, BLOCK):
+            c = start + cols
+            x = tl.load(row + c, mask=c < V, other=0.0).to(tl.float32)
+            grad = (tl.exp(x - log_z) - (c == label).to(tl.float32)) * w
+            tl.store(Grad + r * V + c, grad.to(Grad.dtype.element_ty), mask=c < V)
+
+
+# a row's tile and the kernel's warps: 0.651 ms a chunk of 8,192 rows on the H200, 1.69× its floor (the
+# fastest of twelve tried, 0.651–1.001 ms; docs/speed.md)
+HEAD_BLOCK, HEAD_WARPS = 2048, 8
+
+
+def triton_head_chunk_grad(logits, labels, row_weights, block: int = HEAD_BLOCK, warps: int = HEAD_WARPS):
+    """head_chunk_grad as one Triton kernel, a program per row: the logits read twice (the second time
+    mostly from L2) and the gradient written once. On the H200, 0.651 ms a chunk of 8,192 × 49,152
+    against 1.330 for head_chunk_grad compiled by inductor. Labels must lie in [0, V) (block_loss
+    drops the rows without one; checking here would read them back to the host). log Z is summed at
+    the scale of the largest logit, so far from 0 (|logits| in the hundreds) it rounds more than the
+    twin; a drafter's logits stay well inside that."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    labels, row_weights = labels.contiguous(), row_weights.contiguous()                # read at r, not r·stride
+    (c, V), exact = logits.shape, torch.promote_types(logits.dtype, torch.float32)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)          # (c, V)
+    row_loss = torch.empty(c, dtype=exact, device=logits.device)                   # (c,)
+    if c:
+        _head_chunk_grad[(c,)](logits, labels, row_weights, grad, row_loss, V, logits.stride(0),
+                               BLOCK=block, num_warps=warps)
+    return row_loss.sum(), grad
+
+
+# -----------------------------------------------------------------------------
+# The loss: the drafts' weighted cross-entropy through the frozen head, and DFlash2's selector loss
+
+# Training's torch.compile settings. Inductor's FX graph cache (and with it AOTAutograd's) is off: on
+# the H200 (torch 2.11) a process that found the drafter's graphs in the cache stepped 3-4x slower
+# than the process that compiled them (222 against 54 ms a step, the same losses; off: 55-57 ms).
+COMPILE = {"dynamic": True, "options": {"fx_graph_cache": False}}
+
+
+def lm_logits(target, hidden):
+    """The target's (frozen) LM head on drafter states, in the head's dtype; logits in float32 at least."""
+    head = target.get_output_embeddings()
+    return head(hidden.to(head.weight.dtype)).to(torch.promote_types(head.weight.dtype, torch.float32))   # (M, V)
+
+
+def position_weights(block_size: int, gamma: float, device=None, dtype=torch.float32):
+    """w_k = exp(-(k-1)/γ) for block rows k ≥ 1, in float64 then `dtype` (the drafter's: float32 in
+    training, float64 where it is held to float64 math); the bonus row 0 has no label and weight 0."""
+    k = torch.arange(block_size, dtype=torch.float64, device=device)                  # (B,)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k)).to(dtype)
+
+
+def soft_chunk_grad(logits, teacher_logits, row_weights):
+    """head_chunk_grad for logit distillation: logits and the teacher's logits (c, V) in the head's
+    dtype, row weights (c,) -> Σ w · KL(q ‖ p), q and p the softmax of the teacher's and the drafter's
+    logits, and its gradient to the logits, w · (p − q); the softmaxes in float32 (float64 for a
+    float64 head). Zero when the drafter's distribution is the target's."""
+    exact = torch.promote_types(logits.dtype, torch.float32)
+    log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
+    log_q = teacher_logits.to(exact).log_softmax(-1)                                  # (c, V)
+    q = log_q.exp()
+    loss = (row_weights * (q * (log_q - log_p)).sum(-1)).sum()
+    d_logits = (log_p.exp() - q) * row_weights[:, None]                               # (c, V)
+    return loss, d_logits.to(logits.dtype)
+
+
+def head_loss_chunk(compiled: bool, soft: bool = False):
+    """The chunk function FrozenHeadCrossEntropy runs. Cross-entropy: on CUDA (below float64) one
+    Triton kernel, triton_head_chunk_grad; elsewhere head_chunk_grad, for `train --compile` compiled
+    (inductor, dynamic rows: one compile serves every chunk length). Logit distillation:
+    soft_chunk_grad, compiled the same way for --compile."""
+    if soft:
+        return torch.compile(soft_chunk_grad, **COMPILE) if compiled else soft_chunk_grad
+    twin = torch.compile(head_chunk_grad, **COMPILE) if compiled else head_chunk_grad
+
+    def chunk_grad(logits, labels, row_weights):
+        if logits.is_cuda and triton is not None and logits.dtype != torch.float64:
+            return triton_head_chunk_grad(logits, labels, row_weights)
+        return twin(logits, labels, row_weights)
+    return chunk_grad
+
+
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Σ_r w_r · CE(h_r Wᵀ + b, y_r) through the frozen LM head W (b its bias, if it has one, as the head
+    module drafts with it at inference), without the whole (M, V) logits: rows go
+    through the head CE_CHUNK at a time, and each chunk's gradient with respect to its rows,
+    w · (softmax − onehot) @ W, is taken in the forward pass (W needs none); backward only scales it.
+    Logits in the head's dtype, softmax in float32 (float64 for a float64 head), as lm_logits.
+    `chunk_grad` is head_chunk_grad or what head_loss_chunk returns. With teacher states t_r (M, H),
+    the loss is logit distillation instead: Σ_r w_r · KL(softmax(t_r Wᵀ) ‖ softmax(h_r Wᵀ)), the
+    teacher's logits made chunk by chunk too, and chunk_grad is soft_chunk_grad (or it compiled).
+    Returns the loss and, with top_k, each row's top_k token ids by logit (R, k), else an empty (R, 0)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad, teacher=None,
+                bias=None, top_k: int = 0):
+        loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
+        rows, grads, candidates = hidden.to(weight.dtype), [], []   # cast once, joined once: not a cast and a copy a chunk
+        for i in range(0, len(rows), chunk):
+            logits = F.linear(rows[i:i + chunk], weight, bias)                        # (c, V)
+            if top_k:   # DFlash2's candidates, from the logits made here anyway: no second pass through the head
+                candidates.append(logits.topk(top_k, dim=-1).indices)                 # (c, k)
+            wanted = labels[i:i + chunk] if teacher is None else F.linear(teacher[i:i + chunk].to(weight.dtype),
+                                                                           weight, bias)
+            chunk_loss, d_logits = chunk_grad(logits, wanted, row_weights[i:i + chunk])
+            loss += chunk_loss
+            grads.append(d_logits @ weight)                                           # (c, H)
+        ctx.save_for_backward(torch.cat(grads).to(hidden.dtype))                      # (M, H)
+        found = torch.cat(candidates) if top_k else labels.new_empty(len(rows), 0)   # (R, k)
+        ctx.mark_non_differentiable(found)
+        return loss, found
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None, None
+
+
+CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) logits at a time
+
+
+def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teacher=None, selector=None,
+               block_ids=None, selector_weight: float = 1.0):
+    """Cross-entropy through the target's LM head, weighted by block row, normalised by the weight sum.
+    hidden (M, B, H), labels (M, B) on the host (make_blocks', so that finding the labelled rows waits
+    for no kernel), weights (B,); chunk_grad as FrozenHeadCrossEntropy's. With teacher states (M, B, H)
+    (block_teacher), the KL to the target's distribution at each labelled row instead (chunk_grad
+    soft_chunk_grad). A DFlash2 drafter's `selector` adds selector_weight (α) times selector_loss, the
+    blocks' ids (M, B) on the host giving each block's anchor token."""
+    device, flat = hidden.device, labels.flatten()                                    # (M·B,)
+    rows = (flat != IGNORE).nonzero()[:, 0]                                           # (R,) the labelled rows
+    rows_here = to_device(rows, device)
+    w = weights[rows_here % labels.shape[1]]                                          # (R,)
+    head = target.get_output_embeddings()                                             # W (V, H), its bias or None
+    wanted = None if teacher is None else teacher.flatten(0, 1)[rows_here]            # (R, H)
+    gold = to_device(flat[rows], device)                                              # (R,)
+    hidden_rows = hidden.flatten(0, 1)[rows_here]                                     # (R, H)
+    loss, candidates = FrozenHeadCrossEntropy.apply(hidden_rows, head.weight, gold, w, CE_CHUNK, chunk_grad, wanted,
+                                                    head.bias, 0 if selector is None else selector.top_k)
+    loss = loss / w.sum()
+    if selector is None:
+        return loss
+    previous = labels.roll(1, dims=1)                                                 # (M, B): row t's gold token before it,
+    previous[:, 1] = block_ids[:, 0]                                                  # the anchor's before row 1
+    previous = to_device(previous.flatten()[rows], device)                            # (R,)
+    return loss + selector_weight * selector_loss(selector, head, hidden_rows, gold, previous, candidates, w)
+
+
+def selector_loss(selector, head, hidden, gold, previous, candidates, row_weights):
+    """DFlash2's selector loss (docs/training.md): the k-way cross-entropy of each labelled row's candidate scores
+    S(b) = unary(b) + Σ_r A[previous, r] · u[r] · Bc[candidate b, r], with the gold token before the row as
+    `previous` (teacher forcing), the gold token put in the last candidate's place where the top-k misses
+    it; weighted by row, normalised by the weight sum. hidden (R, H) the final-normed rows, gold and
+    previous (R,), candidates (R, k) their top-k by logit (FrozenHeadCrossEntropy's), row_weights (R,).
+    The unary scores are the logits of the candidates, made again from their head rows so that the
+    gradient reaches the drafter through them too."""
+    k = candidates.shape[1]
+    missing = (candidates != gold[:, None]).all(-1)                                   # (R,)
+    last = torch.arange(k, device=candidates.device) == k - 1                         # (k,)
+    candidates = torch.where(missing[:, None] & last, gold[:, None], candidates)       # (R, k)
+    slot = (candidates == gold[:, None]).int().argmax(-1)                              # (R,) the gold's place
+    rows = hidden.to(head.weight.dtype)
+    unary = (head.weight[candidates] @ rows[:, :, None])[..., 0]                       # (R, k)
+    if head.bias is not None:
+        unary = unary + head.bias[candidates]
+    pair = pair_scores(selector, candidates, previous, selector.hidden_projection(hidden))   # (R, k)
+    exact = torch.promote_types(unary.dtype, torch.float32)   # the softmax in float32 at least, as the drafts' CE
+    scores = unary.to(exact) + pair.to(exact)                                         # (R, k)
+    ce = F.cross_entropy(scores, slot, reduction="none")                              # (R,)
+    return (row_weights * ce).sum() / row_weights.sum()
+
+
+def pair_scores(selector, candidates, previous, u):
+    """CandidateSelector.scores' low-rank term for many rows at once: candidates (R, k), the tokens before
+    (R,), the rows' projections u (R, r) -> Σ_r A[previous, r] · u[r] · Bc[candidate, r] (R, k)."""
+    return (selector.successor_codebook[candidates] @ (selector.predecessor_codebook[previous] * u)[:, :, None])[..., 0]
+
+
+@torch.no_grad()
+def selector_walk(selector, hidden, logits, anchor_ids):
+    """CandidateSelector's walk at T = 0 for many blocks at once: final-normed draft rows hidden (M, K, H),
+    their logits (M, K, V), each block's anchor id (M,) -> drafts (M, K)."""
+    unary, candidates = logits.topk(selector.top_k, dim=-1)                           # (M, K, k)
+    u = selector.hidden_projection(hidden)                                            # (M, K, r)
+    previous, drafts = anchor_ids, []                                                 # (M,)
+    for t in range(hidden.shape[1]):
+        scores = unary[:, t] + pair_scores(selector, candidates[:, t], previous, u[:, t])   # (M, k)
+        previous = candidates[:, t].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]      # (M,)
+        drafts.append(previous)
+    return torch.stack(drafts, 1)                                                     # (M, K)

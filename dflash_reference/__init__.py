@@ -1,0 +1,1 @@
+"""DFlash speculative decoding beside its reference (dflash.py) and fast twin (fastpath.py)."""
