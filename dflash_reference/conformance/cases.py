@@ -99,7 +99,7 @@ def drafter_config(fmt: str, block_size: int, layer_ids, vocab: int, num_layers:
     rope_parameters, sliding and full layers alternating, window `window`) or "laguna" (Laguna-XS DFlash:
     every layer causal and sliding). layer_ids None leaves target_layer_ids out (the default ids); the
     mask id defaults to the last vocabulary row; causal sets dflash_config.causal (zlab-new); rope_by_type
-    gives one RoPE base per layer type (zlab-new). "dflash2" is z-lab's DFlash2DraftModel layout (spec §9):
+    gives one RoPE base per layer type (zlab-new). "dflash2" is z-lab's DFlash2DraftModel layout:
     every layer sliding and bidirectional (top-level is_causal false), the convolution and selector sizes in
     dflash_config."""
     arch = dict(hidden_size=hidden, intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
@@ -207,26 +207,41 @@ VOCAB, MAX_POS = 8, 128   # every case's vocabulary and positions
 
 # Stages in the order a round computes them: name -> (shape, atol = rtol, the pitfall it usually means).
 STAGES = {
-    "conv": ("(W, H)", 1e-4, "DFlash2's convolution before layer 0's attention: run over the context rows too, "
-             "carrying the last block's rows instead of restarting at the block from zeros, the dynamic taps read "
-             "at the source row t − o instead of the output row t, or the halves of base_kernel swapped"),
+    "draft_uniforms": ("(K,)", 0, "the uniforms of a round's draws of its drafts (DFlash2's walk at T > 0, one a "
+                       "draft row): drawn before the round's K+1 verification uniforms, from the same generator"),
+    "conv_in": ("(W, H)", 1e-4, "DFlash2's first convolution of layer l's sublayer s (conv_in.<l>.<s>), the "
+                "sublayer's input: taps reading a later row (x[t + o] for x[t − o]), the dynamic taps indexed at the "
+                "source row t − o instead of the output row t, the halves of base_kernel swapped, the convolution "
+                "skipped or run over the residual instead of the normed input, the block's embeddings unscaled "
+                "(input_embedding_scale), or the blocks run as one stream, carrying the last block's rows into this "
+                "one instead of restarting from zeros"),
+    "conv_out": ("(W, H)", 1e-4, "DFlash2's second convolution of layer l's sublayer s (conv_out.<l>.<s>), what "
+                 "the sublayer adds to the residual: skipped, its taps computed from the sublayer's output instead "
+                 "of its normed input, or a mistake of the first convolution made in the second"),
     "hidden": ("(W, H)", 1e-4, "the drafter's block: a sliding layer run as full attention, no window or a "
                "window on one side only, causal and bidirectional layers mixed up (the causality override), "
-               "another layer's RoPE base, the block at the wrong positions, a missing gate, or no final norm"),
+               "another layer's RoPE base or the target's, the block at the wrong positions (a window's clipped "
+               "positions for absolute ones), a missing gate, no final norm, or the embeddings unscaled"),
     "top5_logits": ("(W-1, 5)", 1e-3, "the LM head over the drafter's rows 1..W-1: the rows read shifted by "
-                    "one, or a head other than the target's own"),
-    "top5_ids": ("(W-1, 5)", 0, "the LM head over the drafter's rows 1..W-1, read shifted by one"),
+                    "one, read before the final norm, a head other than the target's own, or output_multiplier and "
+                    "softcapping not applied"),
+    "top5_ids": ("(W-1, 5)", 0, "the LM head over the drafter's rows 1..W-1, read shifted by one, or over a padded "
+                 "vocabulary (a padding row's logit among the real ones)"),
     "candidates": ("(k, top_k)", 0, "DFlash2's candidates, each row's top_k draft logits (after "
                    "output_multiplier and softcapping; compared as sets): the rows read shifted by one"),
     "selector_scores": ("(k, top_k)", 1e-4, "DFlash2's walk: the codebooks read at the wrong rows (a key stored "
-                        "without '.weight' missed at load, so left at their init), the walk seeded with another "
-                        "token than the bonus, the pair term with the wrong predecessor, or no hidden_projection"),
+                        "without '.weight' missed at load, so left at their init) or swapped, the walk seeded with "
+                        "another token than the bonus, the pair term with the wrong predecessor (the row's own "
+                        "argmax for the token picked before), no hidden_projection, the rows read before the final "
+                        "norm, or the unary term taken before output_multiplier and softcapping"),
     "drafts": ("(k,)", 0, "the readout shifted by one: drafts from rows 0..W-2 instead of 1..W-1 (next-token "
-               "labels, or anchor-first rows read as same-position), or more drafts than max_new_tokens allows"),
-    "uniforms": ("(K+1,)", 0, "the sampling uniforms: draw the kit's to reproduce a sampled case"),
+               "labels, or anchor-first rows read as same-position), more drafts than max_new_tokens allows, or a "
+               "DFlash2 drafter run without its selector (each row's argmax)"),
+    "uniforms": ("(K+1,)", 0, "the verification's uniforms: draw the kit's to reproduce a sampled case"),
     "features": ("(P or k+1, n·H)", 1e-4, "the captured target layers: a wrong layer index (one layer off), "
                  "the output after the final norm, or HF hidden_states[i] instead of [i + 1]"),
-    "accepted": ("()", 0, "verification: the comparison with the target's choice, or the rejection rule"),
+    "accepted": ("()", 0, "verification: the comparison with the target's choice, or the rejection rule (a "
+                 "DFlash2 draft verified as if proposed one-hot, not with the selector's q)"),
     "context": ("(P or a+1, H)", 1e-4, "the projected context: a missing hidden_norm after fc, a missing Laguna "
                 "per-capture norm (aux_hidden_norms), or the wrong rows appended: the bonus token's hidden state "
                 "put into the context too early (a row past the accepted drafts), or rejected rows kept"),
@@ -235,7 +250,8 @@ STAGES = {
     "ctx_values": ("(hk, S, d)", 1e-4, "layer 0's context values: no input norm on the context (Laguna)"),
 }
 TOKENS_PITFALL = ("the commit: the bonus token, stop handling (the tokens end at the first stop written, an "
-                  "accepted draft included), or trimming at max_new_tokens")
+                  "accepted draft included), trimming at max_new_tokens, or tokens equal to the mask id dropped "
+                  "from the output as if they were padding")
 ROUND_DRAFTS_PITFALL = ("the drafts of a round past the recorded ones (round_drafts (rounds, K), −1 past a round's "
                         "k): under CUDA graphs or a compiled step, a buffer read before it is written, a position "
                         "or length captured as a constant, or a lowering that drafts otherwise than eager; or a "
@@ -246,34 +262,61 @@ ACCEPTANCE_PITFALL = ("verification in the rounds past the recorded ones: the co
 WHOLE_RUN = ("round_drafts", "acceptance_lengths", "tokens")
 DRAFTER_BLIND = ("acceptance_lengths", "tokens")
 
+
+def stage_of(key: str) -> str:
+    """'<stage>[.<layer>.<sublayer>].<round>' -> its stage; a whole run's value is its own."""
+    return key if key in WHOLE_RUN else key.split(".")[0]
+
+
+def stage_order(keys) -> list[str]:
+    """The keys in the order a decode computes them: by round, then by stage, a DFlash2 drafter's convolutions
+    by layer, sublayer, then in before out; the whole run's values last."""
+    order = list(STAGES)
+
+    def position(key):
+        parts = key.split(".")
+        if parts[0] in ("conv_in", "conv_out"):
+            return int(parts[-1]), order.index("conv_in"), int(parts[1]), ("attn", "mlp").index(parts[2]), \
+                parts[0] == "conv_out"
+        return int(parts[-1]), order.index(parts[0]), 0, 0, False
+    return sorted((k for k in keys if k not in WHOLE_RUN), key=position) + [k for k in WHOLE_RUN if k in keys]
+
 CASES = {
     "zlab-qwen3": dict(
+        pair_seed=120,
         about="z-lab DFlashDraftModel (Qwen3-8B-DFlash-b16 layout): top-level block_size, full bidirectional "
               "attention, a Qwen3 target", target="qwen3", fmt="zlab", block_size=8, layers=2,
         layer_ids=[1, 3, 4], prompt_len=6, max_new_tokens=24),
     "zlab-new-window": dict(
+        pair_seed=202,
         about="the newer z-lab layout (dflash_config.block_size, rope_parameters, sliding and full layers, "
               "window 6) with a context long enough that the window bites, a Llama target",
         target="llama", fmt="zlab-new", block_size=8, layers=3, window=6, layer_ids=[1, 4], prompt_len=10,
         max_new_tokens=24),
     "laguna": dict(
+        pair_seed=344,
         about="poolside Laguna: fused qkv_proj, softplus per-head gate, per-capture norms, causal sliding "
-              "layers (window 6), input norm on the context, a Laguna (MoE, hybrid) target",
+              "layers (window 6), input norm on the context, a Laguna (MoE, hybrid) target whose layers' output "
+              "projections are scaled by 0.3 (so that bf16 keeps its prefill's values)", quiet_target=0.3,
         target="laguna", fmt="laguna", block_size=8, layers=2, window=6, layer_ids=[0, 2, 5], prompt_len=9,
         max_new_tokens=24),
     "k3-block-width": dict(
+        pair_seed=428,
         about="K = 3 < B - 1 = 7, the drafter computing all B rows (z-lab)", target="qwen3", fmt="zlab",
         block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=5, max_new_tokens=20, num_drafts=3),
     "k3-drafts-width": dict(
+        pair_seed=502,
         about="K = 3 < B - 1 = 7, the drafter computing K+1 rows", target="qwen3", fmt="zlab", block_size=8,
         layers=2, layer_ids=[1, 3, 4], prompt_len=5, max_new_tokens=20, num_drafts=3, full_block=False),
     "sampled": dict(
+        pair_seed=600,
         about="sampled at T 0.8, top-p 0.8, top-k 5, from a target whose LM head is not scaled up, so that "
               "its distributions are wide: the stored uniforms decide the accepts and draws, and the output "
               "is not its greedy decode",
         target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=6,
         max_new_tokens=24, temperature=0.8, top_p=0.8, top_k=5, seed=11, head_scale=1.0),
     "zlab-new-bidirectional": dict(
+        pair_seed=718,
         about="the newer z-lab layout with dflash_config.causal false, so that its sliding layers see their "
               "window (6) on both sides, RoPE bases keyed by layer type (sliding 1e4, full 1e7), and no "
               "target_layer_ids (the default ids for 2 features); a Llama target",
@@ -281,27 +324,55 @@ CASES = {
         prompt_len=10, max_new_tokens=24, causal=False, rope_by_type={"sliding_attention": 1e4,
                                                                       "full_attention": 1e7}),
     "dflash2": dict(
+        pair_seed=806,
         about="z-lab DFlash2DraftModel: a convolution around each sublayer over the block's rows, the candidate "
               "selector's walk from the bonus, every layer sliding (window 6) and bidirectional (top-level "
               "is_causal false); a Qwen3 target", target="qwen3", fmt="dflash2", block_size=8, layers=2, window=6,
         layer_ids=[1, 3, 4], prompt_len=10, max_new_tokens=24),
     "high-acceptance": dict(
+        pair_seed=900,
         about="a designed pair: a target that counts through a cycle of 7 tokens and a z-lab drafter whose "
               "attention copies the context row 8 positions back, so that after the first round every draft is "
               "accepted: 8 rows enter the context each round, and a bug shows in late rounds too",
         target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=10,
         max_new_tokens=64, designed="copying"),
     "stop-in-block": dict(
+        pair_seed=1000,
         about="the high-acceptance pair with a stop token that comes as an accepted draft in the middle of a "
               "block: the tokens end at it, while that round's acceptance length counts the drafts past it",
         target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4], prompt_len=10,
         max_new_tokens=64, designed="copying", stop_ids=[6]),
     "dflash2-high-acceptance": dict(
+        pair_seed=1100,
         about="a designed DFlash2 pair: the counting target and a drafter whose candidate selector knows the "
               "count (its pair term favours each token's successor) while its draft logits are near ties, so "
               "that the walk from the bonus, among 7 candidates a row, drafts whole blocks that are accepted",
         target="qwen3", fmt="dflash2", block_size=8, layers=2, window=6, layer_ids=[1, 3, 4], prompt_len=10,
         max_new_tokens=48, designed="walking", selector_top_k=7),
+    "dflash2-sampled": dict(
+        pair_seed=1200,
+        about="the designed DFlash2 pair sampled at T 4 (the counting target's successor then has p near 0.7): each "
+              "draft is drawn from the selector's softmax over its candidates with the stored draft_uniforms, and "
+              "verified with min(1, p/q) against that q, the residual drawn at a rejection",
+        target="qwen3", fmt="dflash2", block_size=8, layers=2, window=6, layer_ids=[1, 3, 4], prompt_len=10,
+        max_new_tokens=40, designed="walking", selector_top_k=7, temperature=4.0, seed=13),
+    "dflash2-scaled": dict(
+        pair_seed=1302,
+        about="the designed DFlash2 pair with input_embedding_scale 2, output_multiplier 3 and "
+              "final_logit_softcapping 2: the block's embeddings scaled, the draft logits scaled then capped before "
+              "the candidates and the selector's scores are taken", target="qwen3", fmt="dflash2", block_size=8,
+        layers=2, window=6, layer_ids=[1, 3, 4], prompt_len=10, max_new_tokens=40, designed="walking",
+        selector_top_k=7, scales={"input_embedding_scale": 2.0, "output_multiplier": 3.0, "final_logit_softcapping": 2.0}),
+    "served": dict(
+        pair_seed=1400,
+        about="three requests served by one engine instance, one after another and as one batch: the copying pair "
+              "of high-acceptance with a mask id the target also writes (6), prompts of 10, 13 and 7 tokens at other "
+              "phases of the count, the second stopping early at a stop token; each request's values must equal "
+              "its own run alone", target="qwen3", fmt="zlab", block_size=8, layers=2, layer_ids=[1, 3, 4],
+        designed="copying", mask_token_id=6,
+        requests=[dict(prompt_len=10, max_new_tokens=32, phase=3),
+                  dict(prompt_len=13, max_new_tokens=32, phase=0, stop_ids=[5]),
+                  dict(prompt_len=7, max_new_tokens=24, phase=5)]),
 }
 
 
@@ -313,10 +384,16 @@ def write_pair(directory: Path, case: dict, seed: int):
     case's then set to count (below)."""
     write_target(directory / "target", case["target"], seed, VOCAB, MAX_POS, case.get("head_scale", 4.0))
     raw = drafter_config(case["fmt"], case["block_size"], case["layer_ids"], VOCAB, case["layers"],
-                              case.get("window", 4), causal=case.get("causal"), rope_by_type=case.get("rope_by_type"))
+                         case.get("window", 4), causal=case.get("causal"), rope_by_type=case.get("rope_by_type"),
+                         mask_token_id=case.get("mask_token_id"))
     if "selector_top_k" in case:
         raw["dflash_config"]["selector_top_k"] = case["selector_top_k"]
+    raw["dflash_config"].update(case.get("scales", {}))
     write_drafter(directory / "drafter", raw, seed + 1, case.get("num_features") or len(case["layer_ids"]))
+    if case.get("quiet_target"):   # each layer's output projections scaled down: a residual stream bf16 keeps
+        edit_tensors(directory / "target" / "model.safetensors", lambda t: [
+            t[name].mul_(case["quiet_target"]) for name in t if name.endswith(("o_proj.weight", "down_proj.weight",
+                                                                               "experts.down_proj"))])
     if case.get("designed"):
         edit_tensors(directory / "target" / "model.safetensors", counting_target)
         edit_tensors(directory / "drafter" / "model.safetensors",
@@ -431,16 +508,21 @@ class Recorder:
         if drafter.candidate_selector is None:   # a DFlash drafter drafts the argmax; DFlash2's walk: below
             self.draft_margin = min(self.draft_margin, float((top.values[:, 0] - top.values[:, 1]).min()))
 
-    def drafter_parts(self, r_now):
-        """Patches that record DFlash2's stages as either file runs them: the first convolution of a round
-        (layer 0's, before its attention) and the selector's candidates and scores, by candidate id."""
-        real_convolve, real_select, real_scores, scores = dflash.convolve, dflash.CandidateSelector.forward, \
-            dflash.CandidateSelector.scores, []
+    def drafter_parts(self, r_now, drafter):
+        """Patches that record DFlash2's stages as either file runs them: each convolution (conv_in, the
+        sublayer's input; conv_out, what it adds to the residual) by layer and sublayer, and the selector's
+        candidates and scores, by candidate id."""
+        real_conv, real_select, real_scores, scores = dflash.GroupedDynamicCausalConv.forward, \
+            dflash.CandidateSelector.forward, dflash.CandidateSelector.scores, []
+        where = {id(conv): f"{l}.{sublayer}" for l, layer in enumerate(drafter.layers)
+                 for sublayer, conv in (("attn", layer.attention_conv), ("mlp", layer.mlp_conv)) if conv is not None}
 
-        def convolve(x, taps, base, block):
-            out = real_convolve(x, taps, base, block)
-            if f"conv.{r_now()}" not in self.values:
-                self.put("conv", r_now(), out)
+        def conv_forward(conv, a, sublayer, block):
+            def recorded(z):
+                self.put(f"conv_in.{where[id(conv)]}", r_now(), z)
+                return sublayer(z)
+            out = real_conv(conv, a, recorded, block)
+            self.put(f"conv_out.{where[id(conv)]}", r_now(), out)
             return out
 
         def select(selector, hidden, logits, anchor, temperature, uniforms):
@@ -460,7 +542,7 @@ class Recorder:
         def score(selector, *args):
             scores.append(real_scores(selector, *args))
             return scores[-1]
-        return [mock.patch.object(dflash, "convolve", convolve),
+        return [mock.patch.object(dflash.GroupedDynamicCausalConv, "forward", conv_forward),
                 mock.patch.object(dflash.CandidateSelector, "forward", select),
                 mock.patch.object(dflash.CandidateSelector, "scores", score)]
 
@@ -487,6 +569,8 @@ def record_reference(target, drafter, request: dict, generate=None, stop_at: str
         return rec.last_hidden
 
     def propose(drafter_, ctx, block, target_, count, sampling, uniforms):
+        if uniforms is not None:   # drawn before the round's verification uniforms
+            rec.put("draft_uniforms", rec.calls, uniforms)
         drafts, q = real["propose"](drafter_, ctx, block, target_, count, sampling, uniforms)
         rec.put_readout(rec.calls, rec.last_hidden, target_, drafter_)
         return drafts, q
@@ -516,17 +600,17 @@ def record_reference(target, drafter, request: dict, generate=None, stop_at: str
                          ("verify", verify), ("append_context", append_context)]:
             patches.enter_context(mock.patch.object(d, name, fn))
         patches.enter_context(mock.patch.object(d.Drafter, "project_context", project_context))
-        for patch in rec.drafter_parts(lambda: rec.calls):
+        for patch in rec.drafter_parts(lambda: rec.calls, drafter):
             patches.enter_context(patch)
         gen = (generate or d.generate)(target, drafter, request["prompt_ids"], request["max_new_tokens"],
                                        **generate_kwargs(request))
     return rec.values | whole_run_values(gen), gen, rec
 
 
-def record_fastpath(target, drafter, request: dict) -> dict:
-    """fastpath.generate (eager, on CPU) on the request, its stages recorded as the reference's are. It
-    verifies K+1 rows and writes K+1 context rows every round; the rows past the accepted ones, which its
-    masks hide and the next round overwrites, are left out."""
+def record_fastpath(target, drafter, request: dict, decoder=None) -> dict:
+    """fastpath.generate (eager, on CPU) on the request, or a held Decoder's generate, its stages recorded as
+    the reference's are. It verifies K+1 rows and writes K+1 context rows every round; the rows past the
+    accepted ones, which its masks hide and the next round overwrites, are left out."""
     rec, f = Recorder(), fastpath
     real = {name: getattr(f, name) for name in ("propose", "draft_block", "verify", "append_context")}
     real_forward = {cls: cls.forward for cls in (f.DenseTarget, f.ModelTarget)}
@@ -544,15 +628,18 @@ def record_fastpath(target, drafter, request: dict) -> dict:
 
     def propose(drafter_, buf, block, target_, count, sampling, uniforms):
         drafts, q = real["propose"](drafter_, buf, block, target_, count, sampling, uniforms)
-        k = int(buf.max_accept)
+        k, r = int(buf.max_accept), rec.calls
         if k > 0:   # the reference drafts only where a draft can be verified, and walks only its k rows
-            rec.put_readout(rec.calls, rec.last_hidden, target_, drafter_.module)
+            rec.put_readout(r, rec.last_hidden, target_, drafter_.module)
+            if uniforms is not None:
+                rec.put("draft_uniforms", r, uniforms)
             for stage in ("candidates", "selector_scores"):
-                if f"{stage}.{rec.calls}" in rec.values:
-                    rec.values[f"{stage}.{rec.calls}"] = rec.values[f"{stage}.{rec.calls}"][:k]
+                if f"{stage}.{r}" in rec.values:
+                    rec.values[f"{stage}.{r}"] = rec.values[f"{stage}.{r}"][:k]
         else:                         # so its stages of this round are not the reference's
-            for stage in ("conv", "candidates", "selector_scores"):
-                rec.values.pop(f"{stage}.{rec.calls}", None)
+            for key in [key for key in rec.values if key.startswith(("conv_", "candidates.", "selector_scores."))
+                        and key.endswith(f".{r}")]:
+                del rec.values[key]
         return drafts, q
 
     def verify(drafts, logits, sampling, uniforms, max_accept, draft_probs=None):
@@ -587,10 +674,12 @@ def record_fastpath(target, drafter, request: dict) -> dict:
             patches.enter_context(mock.patch.object(f, name, fn))
         for cls in real_forward:
             patches.enter_context(mock.patch.object(cls, "forward", forward_of(cls)))
-        for patch in rec.drafter_parts(lambda: rec.calls):
+        for patch in rec.drafter_parts(lambda: rec.calls, drafter):
             patches.enter_context(patch)
-        gen = f.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"],
-                         **generate_kwargs(request))
+        kwargs = generate_kwargs(request)
+        gen = f.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"], **kwargs) \
+            if decoder is None else decoder.generate(request["prompt_ids"], request["max_new_tokens"],
+                                                     stop_ids=kwargs["stop_ids"], seed=kwargs["seed"])
     return rec.values | whole_run_values(gen)
 
 
@@ -634,12 +723,12 @@ def generate_kwargs(request: dict) -> dict:
 # Writing the kit
 
 def request_of(name: str, case: dict) -> dict:
-    """The case's request: a seeded prompt; a designed case's counts through CYCLE but for its 5th token,
-    so that the first round's drafts, copied from the prompt, are rejected part way."""
+    """The case's request: a seeded prompt; a designed case's counts through CYCLE from the case's phase but
+    for its 5th token, so that the first round's drafts, copied from the prompt, are rejected part way."""
     g = torch.Generator().manual_seed(len(name))
     prompt = torch.randint(0, VOCAB - 1, (case["prompt_len"],), generator=g).tolist()
     if case.get("designed"):
-        prompt = [CYCLE[(3 + i) % len(CYCLE)] for i in range(case["prompt_len"])]
+        prompt = [CYCLE[(case.get("phase", 3) + i) % len(CYCLE)] for i in range(case["prompt_len"])]
         prompt[4] = SUCCESSOR[prompt[4]]
     stops = {"stop_ids": case["stop_ids"]} if "stop_ids" in case else {}
     return {"prompt_ids": prompt, "max_new_tokens": case["max_new_tokens"], "num_drafts": case.get("num_drafts"),
@@ -647,22 +736,85 @@ def request_of(name: str, case: dict) -> dict:
             "top_p": case.get("top_p", 1.0), "top_k": case.get("top_k", 0), "seed": case.get("seed", 0), **stops}
 
 
-def load_case(case_dir: Path):
-    """The pair (float32, CPU) and the request of a kit case."""
+def requests_of(name: str, case: dict) -> list[dict]:
+    """A case's requests: its one, or a served case's several (each a request of its own)."""
+    return [request_of(f"{name}/{i}", case | part) for i, part in enumerate(case["requests"])] \
+        if "requests" in case else [request_of(name, case)]
+
+
+def load_case(case_dir: Path, dtype=torch.float32):
+    """The pair (on CPU) and the spec of a kit case (None while the case is being written)."""
     case_dir = Path(case_dir)
-    spec = loading.read_file(case_dir / "case.json", "conformance case")
-    target = loading.load_target(str(case_dir / "target"), torch.float32, "cpu")
-    drafter = loading.load_drafter(str(case_dir / "drafter"), target, torch.float32, "cpu")
+    spec = loading.read_file(case_dir / "case.json", "conformance case") if (case_dir / "case.json").exists() else None
+    target = loading.load_target(str(case_dir / "target"), dtype, "cpu")
+    drafter = loading.load_drafter(str(case_dir / "drafter"), target, dtype, "cpu")
     return target, drafter, spec
 
 
 MARGIN = 1e-2   # the least gap between the two largest logits of any row a case's tokens depend on
+BF16_HEADROOM, BF16_FLOOR = 2.0, 1e-2   # a bf16 band: this many times the deviation seen, and at least this
+BF16_DRIFT = 0.1    # a value bf16 moves further than this has drifted too far for a band that still catches bugs
 
 
 def margin(recorder: Recorder) -> float:
     """The least gap any greedy choice of the run won by: the target's top-2 logits; a DFlash drafter's top-2
     draft logits; DFlash2's top-2 selector scores and its k-th and (k+1)-th draft logits (which are candidates)."""
     return min(recorder.target_margin, recorder.draft_margin)
+
+
+def within_ties(ids, logits, tolerance: float):
+    """top5_ids (W-1, 5) with each run of ranks whose expected logits lie within twice the logits' tolerance
+    of the next sorted by id: near-tied tokens may come in either order in a port that is right."""
+    out = ids.clone()
+    for row in range(ids.shape[0]):
+        start = 0
+        for j in range(1, ids.shape[1] + 1):
+            if j == ids.shape[1] or logits[row, j - 1] - logits[row, j] > 2 * tolerance * (1 + abs(logits[row, j])):
+                out[row, start:j] = ids[row, start:j].sort().values
+                start = j
+    return out
+
+
+def deviation(got, want) -> float:
+    """The largest |got − want| / (1 + |want|), the measure every float stage's tolerance bounds."""
+    return float(((got.double() - want.double()).abs() / (1 + want.double().abs())).max()) if want.numel() else 0.0
+
+
+def bf16_reach(directory: Path, requests: list[dict], golden: list[dict]) -> dict:
+    """What a port computing in bf16 can be held to on this case: dflash.py and fastpath.py in bf16 on CPU (two
+    orders of rounding: the reference's, and the twin's fused weights) run its requests; `until` is the first key,
+    in the order a decode computes them, where either moves a discrete value (an id, a draft, an acceptance, a
+    token) or drifts more than BF16_DRIFT from the float32 value (None: neither, the whole run holds), and each
+    float stage's tolerance before it is BF16_HEADROOM times the largest deviation seen, at least BF16_FLOOR."""
+    target, drafter, _ = load_case(directory, torch.bfloat16)
+    runs = [(record(target, drafter, request), want) for request, want in zip(requests, golden)
+            for record in (lambda *args: record_reference(*args)[0], record_fastpath)]
+    order = {key: i for i, key in enumerate(stage_order(golden[0]))}
+    first, worst = len(order), {}
+    for got, want in runs:
+        for key in stage_order(want):
+            stage = key.split(".")[0]
+            if order[key] >= first:
+                break
+            moved = key not in got or got[key].shape != want[key].shape or \
+                (key in WHOLE_RUN or not STAGES[stage][1]) and stage != "top5_ids" and \
+                not torch.equal(got[key].to(want[key].dtype), want[key]) or \
+                want[key].is_floating_point() and STAGES.get(stage, (0, 0))[1] and deviation(got[key], want[key]) > BF16_DRIFT
+            if moved:
+                first = order[key]
+                break
+    for got, want in runs:
+        for key in [key for key in stage_order(want) if order[key] < first]:
+            stage = key.split(".")[0]
+            if want[key].is_floating_point() and key not in WHOLE_RUN and STAGES[stage][1]:
+                worst[stage] = max(worst.get(stage, 0.0), deviation(got[key], want[key]))
+    bands = {stage: max(BF16_FLOOR, float(f"{BF16_HEADROOM * dev:.2g}")) for stage, dev in worst.items()}
+    for got, want in runs:   # top5 ids, whose near-ties within the band may come in either order
+        for key in [key for key in stage_order(want) if order[key] < first and key.startswith("top5_ids.")]:
+            logits = want["top5_logits" + key[len("top5_ids"):]].double()
+            if not torch.equal(*(within_ties(ids, logits, bands["top5_logits"]) for ids in (got[key], want[key]))):
+                first = min(first, order[key])
+    return {"until": None if first == len(order) else stage_order(golden[0])[first], "tolerances": bands}
 
 
 CASE_FILES = {"target", "drafter", "case.json", "expected.safetensors"}
@@ -680,38 +832,59 @@ def write_case(root: Path, name: str, case: dict, seed: int):
     scripts.replace_dir(directory, lambda partial: fill_case(partial, name, case, seed))
 
 
+def clear(request: dict, values: dict, gen, recorder: Recorder, target, drafter) -> bool:
+    """Whether a run suits the kit: greedy, every choice wins by MARGIN (float32 rounding cannot flip a token)
+    and the output holds two tokens at least; sampled, the output is not its greedy decode and holds 4
+    different tokens (the draws are not forced); and its recorded rounds accept a draft (two rounds,
+    greedy), so that acceptance and a multi-row context append are checked."""
+    if request["temperature"] > 0:
+        greedy = dflash.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"]).tokens
+        choices = gen.tokens != greedy and len(set(gen.tokens)) >= 4
+    else:   # and not one token over and over, which a verifier that compares wrongly can still match
+        choices = margin(recorder) >= MARGIN and len(set(gen.tokens)) >= 2
+    accepting = sum(int(v) > 0 for k, v in values.items() if k.startswith("accepted."))   # recorded rounds
+    return choices and accepting >= (1 if request["temperature"] > 0 or request.get("stop_ids") else 2)
+
+
 def fill_case(directory: Path, name: str, case: dict, seed: int):
-    """A case's pair from the first seed (seed, seed + 2, ...) whose greedy choices all win by MARGIN, so
-    that a port's float32 rounding cannot flip a token and whose output holds two tokens at least, or,
-    sampled, whose output is not its greedy decode and holds at least 4 different tokens, so that the draws
-    are not forced; and whose recorded rounds accept a draft (two rounds, greedy), so that acceptance and a
-    multi-row context append are checked; its request; dflash.py's values at every stage."""
-    request = request_of(name, case)
+    """A case's pair from the first seed (seed, seed + 2, ...) whose runs are clear; its requests; what a bf16
+    port can be held to (bf16_reach); dflash.py's values at every stage, each request's under 'request.<i>.'
+    in a served case."""
+    requests = requests_of(name, case)
     for seed in range(seed, seed + 40, 2):
         write_pair(directory, case, seed)
-        target = loading.load_target(str(directory / "target"), torch.float32, "cpu")
-        drafter = loading.load_drafter(str(directory / "drafter"), target, torch.float32, "cpu")
-        values, gen, recorder = record_reference(target, drafter, request)
-        if request["temperature"] > 0:
-            greedy = dflash.generate(target, drafter, request["prompt_ids"], request["max_new_tokens"]).tokens
-            clear = gen.tokens != greedy and len(set(gen.tokens)) >= 4
-        else:   # and not one token over and over, which a verifier that compares wrongly can still match
-            clear = margin(recorder) >= MARGIN and len(set(gen.tokens)) >= 2
-        accepting = sum(int(v) > 0 for k, v in values.items() if k.startswith("accepted."))   # recorded rounds
-        if clear and accepting >= (1 if request["temperature"] > 0 else 2):
+        target, drafter, _ = load_case(directory)
+        runs = [record_reference(target, drafter, request) for request in requests]
+        if all(clear(request, *run, target, drafter) for request, run in zip(requests, runs)):
             break
     else:
         raise ValueError(f"conformance: no seed gives case {name} clear choices and rounds that accept a draft")
-    spec = {"case": name, "about": case["about"], "seed": seed, "request": request, "rounds_recorded": ROUNDS,
-            "stages": {stage: {"shape": shape, "tolerance": tol, "pitfall": pitfall}
-                       for stage, (shape, tol, pitfall) in STAGES.items()},
-            "tokens": {"shape": "(T,)", "tolerance": 0, "pitfall": TOKENS_PITFALL},
-            "tau": gen.tau, "acceptance_lengths": gen.acceptance_lengths}
+    golden = [values for values, _, _ in runs]
+    reach = [bf16_reach(directory, [request], [values]) for request, values in zip(requests, golden)]
+    checked = [order[:order.index(r["until"])] if r["until"] else order
+               for r, order in zip(reach, map(stage_order, golden))]
+    drafter_stages = set(STAGES) - {"draft_uniforms", "uniforms", "features", "accepted"} | {"round_drafts"}
+    bf16 = None if any(not set(map(stage_of, keys)) & drafter_stages for keys in checked) else {   # nothing of the drafter's
+        "until": [r["until"] for r in reach] if "requests" in case else reach[0]["until"],
+        "tolerances": {stage: max(r["tolerances"].get(stage, 0) for r in reach) for r in reach for stage in r["tolerances"]}}
+    stages = {"stages": {stage: {"shape": shape, "tolerance": tol, "pitfall": pitfall}
+                         for stage, (shape, tol, pitfall) in STAGES.items()},
+              "tokens": {"shape": "(T,)", "tolerance": 0, "pitfall": TOKENS_PITFALL}, "bf16": bf16}
+    outcomes = [{"tau": gen.tau, "acceptance_lengths": gen.acceptance_lengths} for _, gen, _ in runs]
+    if "requests" in case:
+        spec = {"case": name, "about": case["about"], "seed": seed, "requests": requests, "rounds_recorded": ROUNDS,
+                **stages, "outcomes": outcomes}
+        staged = {f"request.{i}.{key}": value for i, values in enumerate(golden) for key, value in values.items()}
+    else:
+        spec = {"case": name, "about": case["about"], "seed": seed, "request": requests[0], "rounds_recorded": ROUNDS,
+                **stages, **outcomes[0]}
+        staged = golden[0]
     (directory / "case.json").write_text(json.dumps(spec, indent=1))
-    staged = {k: v for k, v in values.items() if k != "acceptance_lengths"}   # case.json holds them
+    staged = {k: v for k, v in staged.items() if not k.endswith("acceptance_lengths")}   # case.json holds them
     save_file(staged, directory / "expected.safetensors", metadata={"format": "pt"})
 
 
-def write_kit(root: Path = KIT):
-    for i, (name, case) in enumerate(CASES.items()):
-        write_case(root, name, case, seed=100 * (i + 1))
+def write_kit(root: Path = KIT, names=None):
+    for name, case in CASES.items():
+        if names is None or name in names:
+            write_case(root, name, case, seed=case["pair_seed"])
