@@ -699,7 +699,7 @@ FLOORS = {   # each file imports only files above it in this list
     "dflash": "dflash.py", "scripts": "dflash_reference/scripts.py", "loading": "dflash_reference/loading.py",
     "kernels": "dflash_reference/kernels.py", "fastpath": "fastpath.py", "demo": "dflash_reference/demo.py",
     "evaluation": "dflash_reference/evaluation.py", "prompt_sources": "dflash_reference/training/prompt_sources.py",
-    "distill": "dflash_reference/training/distill.py", "objective": "dflash_reference/training/objective.py",
+    "objective": "dflash_reference/training/objective.py", "distill": "dflash_reference/training/distill.py",
     "train": "dflash_reference/training/train.py", "cases": "dflash_reference/conformance/cases.py",
     "checker": "dflash_reference/conformance/checker.py", "bench": "benchmarks/bench.py",
     "bench_train": "benchmarks/bench_train.py"}

@@ -153,8 +153,8 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
     raw = train.new_drafter_config(target, layers, 16, target.get_input_embeddings().weight.shape[0] - 1, 5)
     layer_ids = raw["dflash_config"]["target_layer_ids"]
     weights = objective.position_weights(16, 7.0, "cuda")
-    cached = train.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
-    live = train.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
+    cached = distill.CachedFeatures(target, sequences, layer_ids, torch.bfloat16)
+    live = distill.LiveFeatures(target, sequences, layer_ids, torch.bfloat16)
     rows = []
     for run, (store_name, loss_name, pad, compiled, kind) in enumerate(runs):
         drafter = train.new_drafter(target, raw)
@@ -252,7 +252,7 @@ def main(argv=None):
             print(f"{r['impl']:30} {r['new_tokens']:5} {r['seconds']:8.2f} {r['tokens_per_s']:10.0f} "
                   f"{r.get('floor_tokens_per_s', float('nan')):12.0f}")
     if "train" not in skip:
-        sequences = [distill.Sequence(torch.randint(0, vocab - 2, (int(n),), generator=g), 100)
+        sequences = [objective.Sequence(torch.randint(0, vocab - 2, (int(n),), generator=g), 100)
                      for n in torch.randint(300, 613, (TRAIN_SEQUENCES,), generator=g)]
         losses = {"chunked": objective.block_loss, "full-logits": full_logits_loss}
         try:

@@ -144,6 +144,53 @@ def run(main_fn, **kwargs):
 
 
 # -----------------------------------------------------------------------------
+# Ranks: a command run under torchrun, one process a GPU (or several on the CPU)
+
+def join_ranks(device: str | None) -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1): join its process group, NCCL on CUDA, gloo on CPU -> (rank, ranks);
+    alone, (0, 1)."""
+    import torch.distributed as dist
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        on_cuda = torch.cuda.is_available() and not (device or "").startswith("cpu")
+        dist.init_process_group("nccl" if on_cuda else "gloo")
+    return ranks()
+
+
+def ranks() -> tuple[int, int]:
+    """(this rank, the ranks): torchrun's process group's, or (0, 1) alone."""
+    import torch.distributed as dist
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def rank_device(device: str) -> str:
+    """A rank's own GPU (torchrun's LOCAL_RANK) where the command runs on CUDA under torchrun."""
+    if ranks()[1] > 1 and device.startswith("cuda"):
+        device = f"cuda:{os.environ.get('LOCAL_RANK', ranks()[0])}"
+        torch.cuda.set_device(device)
+    return device
+
+
+def summed(*values: float, device="cpu") -> list[float]:
+    """Each value summed over the ranks (as it is, alone)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return list(values)
+    both = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(both)
+    return both.tolist()
+
+
+def gathered(value) -> list:
+    """Every rank's value, in rank order, on rank 0 (others get []); alone, [value]."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, out)
+    return out or []
+
+
+# -----------------------------------------------------------------------------
 # Files written whole, and the package's own files
 
 def sha256(path: Path) -> str:
@@ -211,6 +258,16 @@ def remove(path: Path):
         path.unlink()
     elif path.exists():
         shutil.rmtree(path)
+
+
+def read_lines(path: Path) -> list[str]:
+    """A text file's lines; a missing or unreadable one ends in one line naming it."""
+    try:
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DFlashError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DFlashError(f"{path}: unreadable ({type(err).__name__})") from None
 
 
 def package_data(*parts: str) -> Path:

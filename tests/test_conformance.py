@@ -689,3 +689,28 @@ def test_the_cli_checks_bf16_dumps_writes_single_cases_and_refuses_float32_only_
     assert wrote.returncode == 0 and sorted(p.name for p in (tmp_path / "kit").iterdir()) == ["zlab-qwen3"]
     unknown = run_cli("--kit", str(tmp_path / "kit"), "write", "--case", "nope", script="dflash-conformance")
     assert unknown.returncode == 2 and "--case: ['nope'] are not cases" in unknown.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fastpath_in_bf16_on_cuda_conforms_on_every_bf16_case():
+    """fastpath.py in bf16 on CUDA, its steps eager through its Triton kernels, conforms on every greedy case the
+    kit marks for bf16, held to the bands the CPU runs measured (the sampled one needs the CPU's uniforms)."""
+    for name in BF16_CASES:
+        spec = json.loads((cases.KIT / name / "case.json").read_text())
+        if any(r["temperature"] > 0 for r in spec.get("requests") or [spec["request"]]):
+            continue
+        result = checker.check(cases.KIT / name, checker.dump_fastpath(cases.KIT / name, torch.bfloat16, "cuda"))
+        assert checker.verdict(result), (name, checker.report(result))
+
+
+def test_the_porting_docs_cost_table_is_the_committed_json():
+    """docs/porting.md's table of what the field's porting bugs cost holds the committed costs JSON's figures, a
+    row for each bug `costs` runs, each bug one of the checker's known mistakes (or the served one)."""
+    costs = json.loads((cases.KIT.parents[2] / "results" / "conformance" / "field-bugs-cpu.json").read_text())
+    docs = (cases.KIT.parents[2] / "docs" / "porting.md").read_text()
+    assert set(costs["bugs"]) == {"none"} | set(checker.FIELD_BUGS)
+    assert all(name is None or name in checker.MISTAKES for name in checker.FIELD_BUGS.values())
+    for bug, row in costs["bugs"].items():
+        line = next(line for line in docs.splitlines() if line.startswith(f"| {bug} |"))
+        assert (f"| {row['tau']:.2f} |" in line) if row["applies"] else "not shown" in line, line

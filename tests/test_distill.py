@@ -10,7 +10,7 @@ import torch
 from dflash import DFlashError
 from conftest import MASK, MAX_POS, VOCAB, assert_same_tokens, hf_greedy, run_train_cli, write_target
 from dflash_reference import loading, scripts
-from dflash_reference.training import distill, prompt_sources, train
+from dflash_reference.training import distill, objective, prompt_sources, train
 
 
 def test_distill_checks_the_length_against_the_positions_before_its_buffers(llama_data, tmp_path, monkeypatch, capsys):
@@ -49,7 +49,7 @@ def test_damaged_data_and_prompt_files_end_in_one_line(llama_data, tmp_path):
         torch.save(value, tmp_path / "bad.pt")
         with pytest.raises(DFlashError, match=re.escape(messages[name])):
             distill.load_sequences(tmp_path / "bad.pt")
-    other = [distill.Sequence(torch.cat([q.ids, torch.tensor([VOCAB + 3])]), q.prompt_len) for q in sequences]
+    other = [objective.Sequence(torch.cat([q.ids, torch.tensor([VOCAB + 3])]), q.prompt_len) for q in sequences]
     distill.save_sequences(tmp_path / "other.pt", other, {"prompt_indices": list(range(len(other)))})
     result = run_train_cli("train", "--target", str(path), "--data", str(tmp_path / "other.pt"), "--out",
                            str(tmp_path / "d"), "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK),
@@ -464,3 +464,71 @@ def test_distill_resume_refuses_answers_from_another_source(tmp_path):
                          "--resume", *slash)
     assert more.returncode == 0, more.stderr
     assert len(distill.load_sequences(tmp_path / "d.pt")[0]) == 4   # the two greedy answers kept, two sampled added
+
+
+def test_distill_imports_an_engines_answers_and_resumes(catalog_paths, tmp_path):
+    """`distill --answers` takes a serving engine's answers as token ids (lines of prompt and response ids), keeps
+    each answer's key and temperature, resumes by key, refuses a line it cannot read in one error line, and the
+    file trains (the target's features and labels by teacher forcing, as for distill's own answers)."""
+    answers = tmp_path / "answers.jsonl"
+    rows = [{"custom_id": "a", "prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7, 8, 9], "temperature": 0},
+            {"custom_id": "b", "prompt_ids": [8, 9], "response_ids": [10, 11, 12, 13, 14], "temperature": 0.7}]
+    answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "engine.pt"
+    first = run_train_cli("distill", "--target", catalog_paths["l"], "--answers", str(answers), "--out", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+    sequences, meta = distill.load_sequences(out)
+    assert [s.ids.tolist() for s in sequences] == [[1, 2, 3, 4, 5, 6, 7, 8, 9], [8, 9, 10, 11, 12, 13, 14]]
+    assert [s.prompt_len for s in sequences] == [3, 2] and meta["temperatures"] == [0, 0.7]
+    assert meta["engine_keys"] == ["a", "b"] and meta["complete"]
+    answers.write_text(answers.read_text() + json.dumps({"custom_id": "c", "prompt_ids": [3, 4],
+                                                         "response_ids": [5, 6, 7, 8], "temperature": 0}) + "\n")
+    again = run_train_cli("distill", "--target", catalog_paths["l"], "--answers", str(answers), "--out", str(out),
+                          "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    sequences, meta = distill.load_sequences(out)
+    assert meta["engine_keys"] == ["a", "b", "c"] and len(sequences) == 3
+    trained = run_train_cli("train", "--target", catalog_paths["l"], "--data", str(out), "--out", str(tmp_path / "d"),
+                            "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK), "--max-steps", "1",
+                            "--heldout", "1", "--device", "cpu")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    (tmp_path / "bad.jsonl").write_text('{"custom_id": "x", "response": {"body": {}}}\n')
+    bad = run_train_cli("distill", "--target", catalog_paths["l"], "--answers", str(tmp_path / "bad.jsonl"), "--out",
+                        str(tmp_path / "x.pt"))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        f"error: --answers {tmp_path / 'bad.jsonl'}: line 1 is neither an answer with its prompt nor a batch output "
+        "line (custom_id, response.body.choices)")
+
+
+@pytest.mark.package
+def test_distill_imports_an_openai_batch_run_through_the_chat_template(tmp_path):
+    """An OpenAI-compatible batch run's output, its prompts from the batch input by custom_id: each prompt through
+    the target's chat template, each answer's text tokenized with the stop token after it where it stopped (not
+    where it ran out of length); without --requests the prompts are missing, said in one line."""
+    target_dir = loading.ensure_smollm2()
+    tokenizer = loading.load_tokenizer(str(target_dir))
+    messages = [[{"role": "user", "content": "Name a color."}], [{"role": "user", "content": "Count to three."}]]
+    requests = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": "smollm2", "messages": m, "temperature": 0}} for i, m in enumerate(messages)]
+    outputs = [{"id": "x", "custom_id": "r1", "response": {"status_code": 200, "body": {"choices": [
+                   {"index": 0, "message": {"role": "assistant", "content": "One, two, three"},
+                    "finish_reason": "length"}]}}, "error": None},
+               {"id": "y", "custom_id": "r0", "response": {"status_code": 200, "body": {"choices": [
+                   {"index": 0, "message": {"role": "assistant", "content": "Blue."}, "finish_reason": "stop"}]}},
+                "error": None}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    (tmp_path / "out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in outputs))
+    done = run_train_cli("distill", "--target", str(target_dir), "--answers", str(tmp_path / "out.jsonl"),
+                         "--requests", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "d.pt"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    sequences, meta = distill.load_sequences(tmp_path / "d.pt")
+    assert meta["engine_keys"] == ["r1", "r0"] and meta["temperatures"] == [0, 0]
+    for seq, m, text, stopped in zip(sequences, messages[::-1], ["One, two, three", "Blue."], [False, True]):
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False)
+        assert seq.ids[:seq.prompt_len].tolist() == prompt
+        answer = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if stopped else [])
+        assert seq.ids[seq.prompt_len:].tolist() == answer
+    alone = run_train_cli("distill", "--target", str(target_dir), "--answers", str(tmp_path / "out.jsonl"), "--out",
+                          str(tmp_path / "e.pt"))
+    assert alone.returncode == 2 and "line 1 has no prompt (give the batch's input as --requests)" in alone.stderr

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import fresh_drafter, head_chunk_cases
 from dflash_reference.training.objective import CE_CHUNK, FrozenHeadCrossEntropy, block_loss, head_loss_chunk, lm_logits, position_weights, soft_chunk_grad
-from dflash_reference.training import objective, train
+from dflash_reference.training import distill, objective, train
 
 
 def test_loss_weights_follow_gamma_rule():
@@ -166,7 +166,7 @@ def dflash2_pair(llama_data, seed=0):
 def block_rows(target, drafter, sequences):
     blocks = objective.make_blocks(sequences, 8, drafter.config.block_size, drafter.config.mask_token_id,
                                 torch.Generator().manual_seed(0))
-    features, _, _ = train.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
+    features, _, _ = distill.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
                                             torch.float64, with_labels=False)
     return blocks, train.draft_hidden(target, drafter, blocks, features)               # (M, B, H)
 

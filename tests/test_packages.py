@@ -7,7 +7,7 @@ import torch
 import dflash
 from conftest import assert_same_tokens, run_cli
 from dflash_reference import loading, scripts
-from dflash_reference.training import distill, prompt_sources, train
+from dflash_reference.training import prompt_sources, train
 
 
 def test_sharegpt_reader_recovers_objects_before_a_truncated_tail(tmp_path):

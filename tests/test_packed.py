@@ -10,13 +10,13 @@ import dflash
 from conftest import MASK, VOCAB, H, context_of, fresh_drafter, write_drafter
 from dflash import DFlashError
 from dflash_reference import loading
-from dflash_reference.training import distill, objective, train
+from dflash_reference.training import objective, train
 
 
 def test_blocks_use_same_position_labels():
     """Block [x_a, m, ..., m] at anchor a has labels x_{a+k} at row k ≥ 1 (no shift), IGNORE on the
     bonus row and past the end; anchors stay in the response and leave at least one label."""
-    seq = distill.Sequence(torch.arange(10, 30), prompt_len=6)                       # N = 20
+    seq = objective.Sequence(torch.arange(10, 30), prompt_len=6)                       # N = 20
     g = torch.Generator().manual_seed(0)
     blocks = objective.make_blocks([seq], 10, 4, MASK, g)
     assert len(blocks.anchors) == 10 and (blocks.sequence == 0).all()
@@ -37,11 +37,11 @@ def test_blocks_use_same_position_labels():
 def test_anchors_are_resampled_and_padded():
     """Each draw picks new random anchors; a short response gives only the blocks it has, and the
     blocks of several sequences follow one another, each naming its sequence."""
-    seq = distill.Sequence(torch.arange(40), prompt_len=4)
+    seq = objective.Sequence(torch.arange(40), prompt_len=4)
     g = torch.Generator().manual_seed(0)
     draws = [objective.make_blocks([seq], 6, 4, MASK, g).anchors.tolist() for _ in range(3)]
     assert len({tuple(d) for d in draws}) == 3 and all(d == sorted(d) for d in draws)
-    short = distill.Sequence(torch.arange(7), prompt_len=4)                          # anchors 4, 5 only
+    short = objective.Sequence(torch.arange(7), prompt_len=4)                          # anchors 4, 5 only
     blocks = objective.make_blocks([seq, short], 4, 4, MASK, g)
     assert blocks.sequence.tolist() == [0, 0, 0, 0, 1, 1] and blocks.anchors[4:].tolist() == [4, 5]
     assert blocks.labels[4:].tolist() == [[objective.IGNORE, 5, 6, objective.IGNORE], [objective.IGNORE, 6, objective.IGNORE, objective.IGNORE]]
@@ -178,7 +178,7 @@ def test_compiled_drafter_reads_the_rope_tables_it_is_given(llama_data):
     torch._dynamo.reset()
     train.compile_drafter(drafter)
     g = torch.Generator().manual_seed(0)
-    sequences = [distill.Sequence(torch.randint(0, VOCAB - 2, (40,), generator=g), 5) for _ in range(2)]
+    sequences = [objective.Sequence(torch.randint(0, VOCAB - 2, (40,), generator=g), 5) for _ in range(2)]
     blocks = objective.make_blocks(sequences, 6, 4, MASK, g)
     features = torch.randn(2, 40, drafter.fc.weight.shape[1], generator=g, dtype=torch.float64)
     runs = {}

@@ -32,7 +32,7 @@ def test_batched_capture_equals_one_sequence_at_a_time(llama_data):
     ids, lengths = objective.pad_sequences(sequences[:5])
     layer_ids = [1, 2, 4]
     # (Bt, N, n·H), (Bt, N), (Bt, N, H)
-    features, labels, teacher = train.capture_features(target, ids, lengths, layer_ids, torch.float32,
+    features, labels, teacher = distill.capture_features(target, ids, lengths, layer_ids, torch.float32,
                                                        with_teacher=True)
     assert features.shape == (5, int(lengths.max()), 3 * H) and teacher.shape == (5, int(lengths.max()), H)
     head = target.get_output_embeddings()
@@ -49,7 +49,7 @@ def test_batched_capture_equals_one_sequence_at_a_time(llama_data):
         # the teacher at p is the target's state at p - 1: its logits there, zeros where there is no label
         torch.testing.assert_close(teacher_logits, logits[:-1], rtol=1e-5, atol=1e-5)
         assert not teacher[b, 0].any() and not teacher[b, n:].any()
-    assert train.capture_features(target, ids, lengths, layer_ids, torch.float32)[2] is None
+    assert distill.capture_features(target, ids, lengths, layer_ids, torch.float32)[2] is None
 
 
 def test_time_budget_refits_the_schedule():
@@ -93,8 +93,8 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(llama_data):
     path, _, sequences = llama_data
     target = loading.load_target(str(path), torch.float64, "cpu")
     runs = {}
-    for name, store, cache_tokens in [("live", train.LiveFeatures, None), ("cached", train.CachedFeatures, None),
-                                      ("sharded", train.CachedFeatures, 120)]:
+    for name, store, cache_tokens in [("live", distill.LiveFeatures, None), ("cached", distill.CachedFeatures, None),
+                                      ("sharded", distill.CachedFeatures, 120)]:
         _, drafter = fresh_drafter(target)
         drafter.double()
         cfg = train.TrainConfig(epochs=2, batch_size=4, anchors=6, lr=3e-3, eval_every=100, cache_tokens=cache_tokens)
@@ -106,7 +106,7 @@ def test_cached_features_train_exactly_like_a_target_pass_per_step(llama_data):
     _, drafter = fresh_drafter(target)
     cfg = train.TrainConfig(epochs=2, batch_size=4, anchors=6, lr=3e-3, eval_every=100, cache_tokens=120)
     live_sharded = [h["loss"] for h in train.train(target, drafter.double(), sequences[:16], [], cfg, progress=False,
-                                                   store=train.LiveFeatures)]
+                                                   store=distill.LiveFeatures)]
     assert runs["sharded"] == pytest.approx(live_sharded, rel=1e-10)
 
 
@@ -117,9 +117,9 @@ def test_distillation_trains_alike_from_the_cache_and_a_target_pass(llama_data):
     path, _, sequences = llama_data
     target = loading.load_target(str(path), torch.float64, "cpu")
     runs = {}
-    for name, store, cache_tokens, soft in [("live", train.LiveFeatures, None, True),
-                                            ("cached", train.CachedFeatures, None, True),
-                                            ("hard", train.CachedFeatures, None, False)]:
+    for name, store, cache_tokens, soft in [("live", distill.LiveFeatures, None, True),
+                                            ("cached", distill.CachedFeatures, None, True),
+                                            ("hard", distill.CachedFeatures, None, False)]:
         _, drafter = fresh_drafter(target)
         cfg = train.TrainConfig(epochs=2, batch_size=4, anchors=6, lr=3e-3, eval_every=100, cache_tokens=cache_tokens,
                                 soft_labels=soft)
@@ -146,7 +146,7 @@ def test_an_epoch_starts_with_the_shard_still_cached(llama_data, monkeypatch):
     monkeypatch.setattr(train, "make_blocks", lambda seqs, *args, **kwargs: trained.extend(map(id, seqs))
                         or real_blocks(seqs, *args, **kwargs))
     losses = {}
-    for name, store in [("cached", train.CachedFeatures), ("live", train.LiveFeatures)]:
+    for name, store in [("cached", distill.CachedFeatures), ("live", distill.LiveFeatures)]:
         _, drafter = fresh_drafter(target)
         cfg = train.TrainConfig(epochs=3, batch_size=4, anchors=6, lr=3e-3, eval_every=100, cache_tokens=300)
         captured.clear(), trained.clear()
@@ -157,7 +157,7 @@ def test_an_epoch_starts_with_the_shard_still_cached(llama_data, monkeypatch):
             [sorted(map(id, sequences))] * 3
     assert losses["cached"] == pytest.approx(losses["live"], rel=1e-10)
     order, cached = [5, 2, 9, 0, 7, 1, 3, 8, 4, 6], [1, 4, 6, 0]
-    runs = train.epoch_shards(order, cached, [distill.Sequence(torch.zeros(10, dtype=torch.long), 1)] * 10, 40, 2)
+    runs = train.epoch_shards(order, cached, [objective.Sequence(torch.zeros(10, dtype=torch.long), 1)] * 10, 40, 2)
     assert runs == [[0, 1, 4, 6], [5, 2, 9, 7], [3, 8]] and train.epoch_shards(order, [], [], None) == [order]
 
 
@@ -188,7 +188,7 @@ def test_each_heldout_estimate_sees_the_weights_of_its_own_step(llama_data, monk
 def test_feature_shards_hold_whole_batches():
     """Feature shards stay within their token budget and hold whole batches, so that only an epoch's last
     batch is short; a batch over the budget still makes a shard of its own; no budget is one shard."""
-    sequences = [distill.Sequence(torch.zeros(n, dtype=torch.long), 1) for n in [30, 10, 25, 40, 5, 50, 20, 15, 35, 45, 12]]
+    sequences = [objective.Sequence(torch.zeros(n, dtype=torch.long), 1) for n in [30, 10, 25, 40, 5, 50, 20, 15, 35, 45, 12]]
     order = [3, 0, 7, 10, 1, 5, 9, 2, 8, 4, 6]
     runs = train.shards(order, sequences, 150, batch_size=3)   # batches of 85, 72, 105 and 25 tokens
     assert runs == [[3, 0, 7], [10, 1, 5], [9, 2, 8, 4, 6]]
@@ -204,7 +204,7 @@ def test_a_batch_without_a_labelled_block_is_skipped(llama_data):
     """A batch whose responses are all one token long has no block to learn from: training takes no
     step on it (no 0/0 loss that would turn the weights to NaN) and goes on with the next batch."""
     path, target, sequences = llama_data
-    stubs = [distill.Sequence(s.ids[:s.prompt_len + 1], s.prompt_len) for s in sequences[4:8]]   # 1-token answers
+    stubs = [objective.Sequence(s.ids[:s.prompt_len + 1], s.prompt_len) for s in sequences[4:8]]   # 1-token answers
     _, drafter = fresh_drafter(target)
     cfg = train.TrainConfig(epochs=1, batch_size=1, anchors=6, lr=3e-3, eval_every=100)
     history = train.train(target, drafter, sequences[:4] + stubs, [], cfg, progress=False)
@@ -262,7 +262,7 @@ def test_compiled_training_follows_eager_on_cuda(llama_data):
 def test_heldout_split_keeps_every_answer_to_a_heldout_prompt_out_of_training():
     """The held-out set is the greedy answers to the last prompts answered greedily; the sampled
     answers to those prompts do not train either."""
-    seqs = [distill.Sequence(torch.arange(k + 3), 1) for k in range(6)]
+    seqs = [objective.Sequence(torch.arange(k + 3), 1) for k in range(6)]
     meta = {"prompt_indices": [10, 11, 12, 10, 11, 12], "temperatures": [0.0, 0.0, 0.0, 0.8, 0.8, 0.8]}
     training, heldout, held = train.heldout_split(seqs, meta, 2)
     assert held == [11, 12] and heldout == [seqs[1], seqs[2]] and training == [seqs[0], seqs[3]]
@@ -277,7 +277,7 @@ def test_heldout_split_keeps_every_answer_to_a_heldout_prompt_out_of_training():
 def test_heldout_tokens_cut_each_answer_after_its_prompt():
     """`--heldout-tokens N` walks each held-out answer's first N response tokens: the prompt stays
     whole, a shorter answer stays as it is."""
-    seqs = [distill.Sequence(torch.arange(10), 3), distill.Sequence(torch.arange(5), 4)]
+    seqs = [objective.Sequence(torch.arange(10), 3), objective.Sequence(torch.arange(5), 4)]
     cut = train.first_response_tokens(seqs, 4)
     assert [q.ids.tolist() for q in cut] == [list(range(7)), list(range(5))]
     assert [q.prompt_len for q in cut] == [3, 4]
@@ -311,7 +311,7 @@ def test_training_lowers_loss_and_saves_a_lossless_zlab_drafter(llama_data, tmp_
 
     def fixed_loss():
         with torch.no_grad():
-            features, _, _ = train.capture_features(target, fixed.ids, fixed.lengths, drafter.config.target_layer_ids,
+            features, _, _ = distill.capture_features(target, fixed.ids, fixed.lengths, drafter.config.target_layer_ids,
                                                     torch.float32, with_labels=False)
             return objective.block_loss(target, train.draft_hidden(target, drafter, fixed, features), fixed.labels,
                                     weights).item()
@@ -482,7 +482,7 @@ def test_grown_drafter_starts_where_its_checkpoint_stands(llama_data, tmp_path):
     assert len(bigger.layers) == 3 and bigger_raw["num_hidden_layers"] == 3 and raw["num_hidden_layers"] == 1
     assert bigger_raw["layer_types"] == ["full_attention"] * 3
     blocks = objective.make_blocks(sequences[:6], 8, 4, MASK, torch.Generator().manual_seed(0))
-    features, _, _ = train.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
+    features, _, _ = distill.capture_features(target, blocks.ids, blocks.lengths, drafter.config.target_layer_ids,
                                             torch.float32, with_labels=False)
     with torch.no_grad():
         before = train.draft_hidden(target, drafter, blocks, features)                 # (M, B, H)
@@ -692,3 +692,32 @@ def test_train_notes_data_distilled_from_another_target(llama_data, tmp_path, ca
         notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: --data")]
         assert notes == ([f"note: --data {tmp_path / 'other.pt'} holds the answers of '/elsewhere/another-target', "
                           f"the --target is '{path}'"] if name == "other" else [])
+
+
+def test_two_ranks_reach_the_weights_one_rank_reaches(catalog_paths, tmp_path):
+    """torchrun with 2 ranks (gloo, CPU) and the same global batch and seed takes one rank's steps: each rank its
+    half of every batch, the anchors drawn alike, the gradients summed; the saved weights and the losses agree
+    within float32 rounding, and rank 0 alone writes the drafter."""
+    import os
+    import subprocess
+    import sys
+    from safetensors.torch import load_file
+    args = ["train", "--target", catalog_paths["l"], "--data", catalog_paths["data"], "--block-size", "4", "--layers",
+            "1", "--mask-token-id", str(MASK), "--max-steps", "3", "--batch-size", "4", "--anchors", "6",
+            "--heldout", "2", "--eval-every", "100", "--device", "cpu", "--save-dtype", "float32", "--seed", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "dflash_reference.training.train", *args, "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "dflash_reference.training.train", *args, "--out", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert set(a) == set(b)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+    losses = [[h["loss"] for h in json.loads((tmp_path / run / "training.json").read_text())["history"]]
+              for run in ("one", "two")]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert two.stderr.count("trained 3 steps") == 1                                  # rank 0 speaks

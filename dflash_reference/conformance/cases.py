@@ -742,12 +742,12 @@ def requests_of(name: str, case: dict) -> list[dict]:
         if "requests" in case else [request_of(name, case)]
 
 
-def load_case(case_dir: Path, dtype=torch.float32):
-    """The pair (on CPU) and the spec of a kit case (None while the case is being written)."""
+def load_case(case_dir: Path, dtype=torch.float32, device: str = "cpu"):
+    """The pair and the spec of a kit case (None while the case is being written)."""
     case_dir = Path(case_dir)
     spec = loading.read_file(case_dir / "case.json", "conformance case") if (case_dir / "case.json").exists() else None
-    target = loading.load_target(str(case_dir / "target"), dtype, "cpu")
-    drafter = loading.load_drafter(str(case_dir / "drafter"), target, dtype, "cpu")
+    target = loading.load_target(str(case_dir / "target"), dtype, device)
+    drafter = loading.load_drafter(str(case_dir / "drafter"), target, dtype, device)
     return target, drafter, spec
 
 

@@ -636,18 +636,19 @@ def verdict(result: dict) -> bool:
 # -----------------------------------------------------------------------------
 # This project's twin as a port, and what the field's porting bugs cost
 
-def dump_fastpath(case_dir: Path, dtype=torch.float32) -> dict:
-    """fastpath.py's dump of a case (CPU): a served case's requests one after another through one Decoder."""
-    target, drafter, spec = cases.load_case(case_dir, dtype)
-    if "requests" not in spec:
-        return cases.record_fastpath(target, drafter, spec["request"])
-    requests, dump = spec["requests"], {}
-    K = drafter.config.block_size - 1
+def dump_fastpath(case_dir: Path, dtype=torch.float32, device: str = "cpu") -> dict:
+    """fastpath.py's dump of a case through one held Decoder (a served case's requests one after another), its
+    steps eager so that every stage is seen: on CUDA its Triton kernels, not its captured graphs."""
+    target, drafter, spec = cases.load_case(case_dir, dtype, device)
+    requests, dump = spec.get("requests") or [spec["request"]], {}
+    K = requests[0]["num_drafts"] or drafter.config.block_size - 1
+    kwargs = cases.generate_kwargs(requests[0])
     capacity = max(fastpath.capacity_for(len(r["prompt_ids"]), r["max_new_tokens"], K) for r in requests)
-    with closing(fastpath.Decoder(target, drafter, capacity, K)) as decoder:
+    with closing(fastpath.Decoder(target, drafter, capacity, K, kwargs["full_block"], kwargs["sampling"])) as decoder:
+        decoder.graphs = False
         for i, request in enumerate(requests):
             values = cases.record_fastpath(target, drafter, request, decoder)
-            dump |= {f"request.{i}.{key}": value for key, value in values.items()}
+            dump |= {f"request.{i}.{k}" if "requests" in spec else k: v for k, v in values.items()}
     return dump
 
 
@@ -665,7 +666,7 @@ FIELD_BUGS = {   # the field's porting bugs, as MISTAKES name them, and the serv
 }
 
 
-def costs(prompts: list[list[int]], max_new_tokens: int, num_drafts: int) -> dict:
+def costs(prompts: list[list[int]], max_new_tokens: int, num_drafts: int, stop_ids) -> dict:
     """τ and the tokens kept on the shipped pair (CPU, float32, greedy) without and with each field bug, the
     prompts one after another; a bug this pair cannot show (no sliding layers, one RoPE base) says so."""
     target_dir, draft_dir = loading.default_pair()
@@ -688,7 +689,7 @@ def costs(prompts: list[list[int]], max_new_tokens: int, num_drafts: int) -> dic
                 patches.enter_context(mock.patch.object(dflash.DraftContext, "empty", staticmethod(
                     lambda d, device: carried[0] if carried else carried.append(real_empty(d, device)) or carried[0])))
             for ids in prompts:
-                gen = dflash.generate(target, drafter, ids, max_new_tokens, num_drafts=num_drafts)
+                gen = dflash.generate(target, drafter, ids, max_new_tokens, num_drafts=num_drafts, stop_ids=stop_ids)
                 lengths += gen.acceptance_lengths
                 tokens = cases.whole_run_values(gen)["tokens"]
                 written, kept = written + len(gen.tokens), kept + len(tokens)
@@ -718,7 +719,9 @@ def main(argv=None):
     s = sub.add_parser("dump-fastpath", help="run fastpath.py on a case and write its dump")
     s.add_argument("--case", required=True)
     s.add_argument("--out", required=True, help="the dump to write (.safetensors)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the pair's dtype (CPU)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the pair's dtype")
+    s.add_argument("--device", default="cpu", help="where it runs, eagerly: cpu, or cuda for fastpath's kernels "
+                   "(a sampled case only on the CPU, whose generator draws the kit's uniforms)")
     s.add_argument("--graphs", action="store_true", help="run on CUDA through the captured graphs: a dump of the "
                    "whole run's values (round_drafts, acceptance_lengths, tokens), the stages being inside the graphs")
     s = sub.add_parser("check", help="compare an engine's dump with a case, stage by stage")
@@ -732,11 +735,11 @@ def main(argv=None):
     s = sub.add_parser("costs", help="τ on the shipped pair (CPU) without and with each of the field's porting bugs")
     s.add_argument("--out", required=True, help="the JSON to write")
     s.add_argument("--prompts", type=int, default=8, help="MT-Bench's first N prompts")
-    s.add_argument("--max-new-tokens", type=int, default=96)
+    s.add_argument("--max-new-tokens", type=int, default=128, help="tokens a prompt's answer has at most")
     s.add_argument("--num-drafts", type=int, default=6, help="drafts a round (the CPU default)")
     args = p.parse_args(argv)
     scripts.quiet_transformers()
-    torch.set_num_threads(1 if args.command != "costs" else torch.get_num_threads())   # tiny models: determinism
+    torch.set_num_threads(1)   # tiny models: determinism; costs: one thread, which no other process on the machine slows
     dflash.require(not Path(args.kit).exists() or Path(args.kit).is_dir(), f"--kit '{args.kit}' is a file")
     if args.command in ("dump-fastpath", "costs"):   # checked before anything runs
         dflash.require(not Path(args.out).is_dir() and Path(args.out).resolve().parent.is_dir(),
@@ -751,7 +754,9 @@ def main(argv=None):
         prompts = loading.read_mtbench()[:args.prompts]
         tokenizer = loading.load_tokenizer(str(loading.default_pair()[0]))
         ids = [loading.encode_chat(tokenizer, text) for text in prompts]
-        rows = costs(ids, args.max_new_tokens, args.num_drafts)
+        stops = loading.stop_token_ids(loading.load_target(str(loading.default_pair()[0]), torch.float32, "cpu"),
+                                       tokenizer)
+        rows = costs(ids, args.max_new_tokens, args.num_drafts, stops)
         result = {"pair": "SmolLM2-135M-Instruct + the shipped DFlash2 drafter", "device": "cpu", "dtype": "float32",
                   "prompts": f"MT-Bench's first {args.prompts}", "max_new_tokens": args.max_new_tokens,
                   "num_drafts": args.num_drafts, "threads": torch.get_num_threads(), "bugs": rows}
@@ -764,7 +769,11 @@ def main(argv=None):
             dflash.require("request" in spec, f"--graphs: case {args.case} serves several requests; give another")
             save_file(cases.record_graphed(directory, spec["request"]), args.out)
         else:
-            dump = dump_fastpath(directory, scripts.DTYPES[args.dtype])
+            request = (spec.get("requests") or [spec.get("request")])[0]
+            dflash.require(args.device == "cpu" or request["temperature"] == 0, f"--device {args.device}: case "
+                           f"{args.case} is sampled, and only the CPU generator draws the kit's uniforms")
+            device, _ = scripts.device_and_dtype(args.device, args.dtype)
+            dump = dump_fastpath(directory, scripts.DTYPES[args.dtype], device)
             save_file({k: v.contiguous() for k, v in dump.items()}, args.out)
         return print(f"wrote {args.out}")
     dflash.require(args.tolerance is None or 0 < args.tolerance < 1, f"--tolerance = {args.tolerance} must be in (0, 1)")

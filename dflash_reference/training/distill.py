@@ -16,24 +16,21 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass
+from contextlib import closing
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
+import dflash
 import fastpath
 from dflash import DFlashError, require
 from dflash_reference import loading, scripts
 from dflash_reference.training import prompt_sources
+from dflash_reference.training.objective import IGNORE, Sequence, pad_sequences, to_device
 
 # -----------------------------------------------------------------------------
 # Self-distillation: the target answers the training prompts itself, many prompts at once
-
-
-@dataclass
-class Sequence:
-    ids: torch.Tensor     # (N,) prompt ids then the target's response
-    prompt_len: int       # P: positions >= P are the response, the only place anchors go
 
 
 def cut_after_stop(response: list[int], stop_ids) -> list[int]:
@@ -309,6 +306,109 @@ def distill(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
     return result
 
 
+# -----------------------------------------------------------------------------
+# The target's features and labels for its answers, by teacher forcing
+
+@torch.no_grad()
+def capture_features(target, ids, lengths, layer_ids: list[int], dtype, with_labels: bool = True,
+                     with_teacher: bool = False):
+    """One batched pass of the frozen target over right-padded ids (Bt, N) -> captured features
+    (Bt, N, n·H); the target's own label of every position (Bt, N): its argmax given the text before,
+    IGNORE at position 0 and past each length (None without with_labels, which also skips the LM head);
+    and with with_teacher its teacher states (Bt, N, H): at position p its final-normed state at p - 1,
+    which its LM head turns into its distribution of the token at p (zeros where the label is IGNORE).
+    Attention is causal, so padding never reaches a real position. SDPA leaves cuDNN out
+    (dflash.TARGET_ATTENTION): each pass has a new padded length, and cuDNN would plan every one."""
+    device = target.get_input_embeddings().weight.device
+    ids = ids.to(device)
+    with closing(dflash.Capture(target, layer_ids)) as capture, sdpa_kernel(dflash.TARGET_ATTENTION):
+        if with_labels or with_teacher:
+            final = target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state   # (Bt, N, H)
+        else:
+            target(input_ids=ids, use_cache=False, logits_to_keep=1)
+        features = capture.features().to(dtype)                                       # (Bt, N, n·H)
+    if not (with_labels or with_teacher):
+        return features, None, None
+    past_end = torch.arange(ids.shape[1], device=device) >= lengths.to(device)[:, None]   # (Bt, N)
+    labels = torch.full_like(ids, IGNORE)                                             # (Bt, N)
+    labels[:, 1:] = target.get_output_embeddings()(final[:, :-1]).argmax(-1)
+    labels[past_end] = IGNORE
+    teacher = None
+    if with_teacher:
+        teacher = torch.zeros(*ids.shape, final.shape[-1], dtype=dtype, device=device)   # (Bt, N, H)
+        teacher[:, 1:] = final[:, :-1]
+        teacher[past_end] = 0
+    return features, labels if with_labels else None, teacher
+
+
+class LiveFeatures:
+    """Features and the target's labels (and with `teacher` its teacher states) for each batch of
+    sequences, from a target pass per batch."""
+
+    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, teacher: bool = False):
+        self.target, self.sequences, self.layer_ids, self.dtype = target, sequences, layer_ids, dtype
+        self.teacher = teacher
+
+    def batch(self, indices: list[int]):
+        """-> features (Bt, N, n·H), labels (Bt, N) on the host, teacher states (Bt, N, H) or None, of
+        sequences[indices], N their longest length."""
+        features, labels, teacher = capture_features(self.target, *pad_sequences([self.sequences[i] for i in indices]),
+                                                     self.layer_ids, self.dtype, with_teacher=self.teacher)
+        return features, labels.cpu(), teacher
+
+
+class CachedFeatures:
+    """Features and the target's labels (and with `teacher` its teacher states) of every sequence,
+    captured once: the features kept flat on the device (n·H values per token, and H more for the
+    teacher), the labels on the host, so that building a batch waits for no kernel; then gathered per
+    batch: within each sequence the same tensors LiveFeatures returns, zeros past its end (where
+    LiveFeatures has the target's states on padding, which no block sees)."""
+
+    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, teacher: bool = False,
+                 tokens_per_pass: int = 16384):
+        self.device = device = target.get_input_embeddings().weight.device
+        self.lengths = torch.tensor([len(s.ids) for s in sequences])                  # (S,) on the host
+        self.offsets = torch.cumsum(self.lengths, 0) - self.lengths                   # (S,)
+        H = target.config.get_text_config().hidden_size
+        total, width = int(self.lengths.sum()), len(layer_ids) * H
+        self.features = torch.empty(total, width, dtype=dtype, device=device)         # (total, n·H)
+        self.teacher = torch.empty(total, H, dtype=dtype, device=device) if teacher else None   # (total, H)
+        labels_here = torch.empty(total, dtype=torch.long, device=device)             # (total,)
+        starts = self.offsets.tolist()
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))     # little padding per pass
+        i = 0
+        while i < len(order):
+            j = i + 1
+            while j < len(order) and (j + 1 - i) * len(sequences[order[j]].ids) <= tokens_per_pass:
+                j += 1
+            chunk = order[i:j]
+            features, labels, teacher = capture_features(target, *pad_sequences([sequences[k] for k in chunk]),
+                                                         layer_ids, dtype, with_teacher=self.teacher is not None)
+            for row, k in enumerate(chunk):
+                start, n = starts[k], len(sequences[k].ids)
+                self.features[start:start + n] = features[row, :n]
+                labels_here[start:start + n] = labels[row, :n]
+                if teacher is not None:
+                    self.teacher[start:start + n] = teacher[row, :n]
+            i = j
+        self.labels = labels_here.cpu()                                               # (total,) one read
+
+    def batch(self, indices: list[int]):
+        """-> features (Bt, N, n·H), labels (Bt, N) on the host, teacher states (Bt, N, H) or None, of
+        the sequences at `indices`, N their longest length."""
+        lengths = self.lengths[indices]                                               # (Bt,)
+        positions = torch.arange(int(lengths.max()))                                  # (N,)
+        past_end = positions[None] >= lengths[:, None]                                # (Bt, N)
+        rows = self.offsets[indices][:, None] + torch.minimum(positions[None], lengths[:, None] - 1)   # (Bt, N)
+        rows_here, past_end_here = to_device(rows, self.device), to_device(past_end, self.device)[..., None]
+        features = self.features[rows_here].masked_fill(past_end_here, 0)             # (Bt, N, n·H)
+        teacher = None if self.teacher is None else self.teacher[rows_here].masked_fill(past_end_here, 0)   # (Bt, N, H)
+        return features, self.labels[rows].masked_fill(past_end, IGNORE), teacher
+
+
+# -----------------------------------------------------------------------------
+# Answers on disk
+
 def save_sequences(path: Path, sequences: list[Sequence], meta: dict):
     """Token ids packed end to end, uint16 where the vocab allows (half of int32). Written atomically."""
     tokens = torch.cat([s.ids for s in sequences])                                    # (total,)
@@ -359,9 +459,113 @@ def load_sequences(path: Path) -> tuple[list[Sequence], dict]:
 # -----------------------------------------------------------------------------
 # `dflash-train distill`
 
+# -----------------------------------------------------------------------------
+# Answers a serving engine wrote
+
+def engine_answers(path: Path, requests: Path | None) -> list[dict]:
+    """The answers of an OpenAI-compatible batch run (vLLM's `run_batch`, SGLang's, OpenAI's batch API). A line of
+    `path` holds its prompt and answer itself, {"prompt": text or chat messages, "response": text} or
+    {"prompt_ids": [...], "response_ids": [...]}, or is a batch output line, {"custom_id", "response": {"body":
+    {"choices": [{"message": {"content"}} or {"text"}, "finish_reason"]}}}, whose request (its "messages" or
+    "prompt", its "temperature") is the `requests` file's line of that custom_id. -> per answer: key, prompt
+    (messages, text or ids), response (text or ids), temperature (None: not said), whether it ended at a stop."""
+    import json
+    read = lambda file: [(n, line) for n, line in enumerate(scripts.read_lines(file), 1) if line.strip()]
+    bodies = {}
+    for n, line in read(requests) if requests else []:
+        try:
+            request = json.loads(line)
+            bodies[request["custom_id"]] = request["body"]
+        except (ValueError, KeyError, TypeError):
+            raise DFlashError(f"--requests {requests}: line {n} is not a batch request (custom_id, body)") from None
+    answers = []
+    for n, line in read(path):
+        try:
+            row = json.loads(line)
+            if "response" in row and isinstance(row["response"], dict):   # a batch output line
+                choice = row["response"]["body"]["choices"][0]
+                require(row["custom_id"] in bodies or not requests, f"--answers {path}: line {n}'s custom_id "
+                        f"{row['custom_id']!r} is not in --requests {requests}")
+                body = bodies.get(row["custom_id"], {})
+                prompt = body.get("messages") or body.get("prompt")
+                answers.append({"key": row["custom_id"], "prompt": prompt, "temperature": body.get("temperature"),
+                                "response": (choice.get("message") or {}).get("content", choice.get("text")),
+                                "stopped": choice.get("finish_reason") == "stop"})
+            else:
+                answers.append({"key": str(row.get("custom_id", n)), "prompt": row.get("prompt_ids", row.get("prompt")),
+                                "response": row.get("response_ids", row.get("response")),
+                                "temperature": row.get("temperature"), "stopped": row.get("finish_reason", "stop") == "stop"})
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise DFlashError(f"--answers {path}: line {n} is neither an answer with its prompt nor a batch output "
+                              "line (custom_id, response.body.choices)") from None
+        require(answers[-1]["prompt"] is not None and answers[-1]["response"] is not None, f"--answers {path}: line "
+                f"{n} has no prompt" + (" (give the batch's input as --requests)" if not requests else ""))
+    return answers
+
+
+def answer_ids(tokenizer, answer: dict) -> tuple[list[int], list[int]]:
+    """An engine answer's prompt ids (chat messages through the template, no thinking; a text as one user turn)
+    and response ids (the answer's text, its stop token after it where it ended at one)."""
+    prompt, response = answer["prompt"], answer["response"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+    elif isinstance(prompt, str):
+        prompt = loading.encode_chat(tokenizer, prompt)
+    if isinstance(response, str):
+        response = tokenizer.encode(response, add_special_tokens=False) + \
+            ([tokenizer.eos_token_id] if answer["stopped"] and tokenizer.eos_token_id is not None else [])
+    return list(prompt), list(response)
+
+
+def import_answers(args):
+    """distill --answers: an engine's answers as the training data's token ids, saved every --batches-per-save ×
+    --batch-size answers; --resume keeps those already in --out (by key); the target's features and labels come
+    from teacher forcing when `train` caches them, as for distill's own answers."""
+    from tqdm import tqdm
+    out, answers = Path(args.out), engine_answers(Path(args.answers), Path(args.requests) if args.requests else None)
+    texts = any(not isinstance(a[part], list) or a[part] and isinstance(a[part][0], dict)
+                for a in answers for part in ("prompt", "response"))
+    tokenizer = loading.load_tokenizer(args.target) if texts else None
+    require(tokenizer is not None or not texts, f"--target '{args.target}': no tokenizer, and the answers are text")
+    meta = {"target": str(args.target), "source": f"engine answers {args.answers}", "excluded": "as the engine was given",
+            "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
+    sequences, keys, temperatures = [], [], []
+    if args.resume and out.exists():
+        sequences, old = load_sequences(out)
+        require(old.get("source") == meta["source"] and "engine_keys" in old, f"--resume: {out} was not written from "
+                f"--answers {args.answers}")
+        keys, temperatures = list(old["engine_keys"]), list(old["temperatures"])
+    done, skipped, chunk = set(keys), 0, args.batch_size * args.batches_per_save
+    todo = [a for a in answers if a["key"] not in done]
+    bar = tqdm(total=len(todo), desc="import", unit="answer")
+    save = lambda complete: save_sequences(out, sequences, meta | {"prompt_indices": list(range(len(sequences))),
+                                                                    "engine_keys": keys, "temperatures": temperatures,
+                                                                    "complete": complete})
+    try:   # Ctrl-C loses only the answers since the last save
+        for start in range(0, len(todo), chunk):
+            for answer in todo[start:start + chunk]:
+                prompt, response = answer_ids(tokenizer, answer)
+                bar.update(1)
+                if len(prompt) > args.max_prompt_tokens or not response:
+                    skipped += 1
+                    continue
+                sequences.append(Sequence(torch.tensor(prompt + response[:args.max_new_tokens]), len(prompt)))
+                keys.append(answer["key"])
+                temperatures.append(0.0 if answer["temperature"] is None and args.greedy else answer["temperature"])
+            save(start + chunk >= len(todo))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {out} holds {len(sequences)} answers; --resume continues", file=sys.stderr)
+        raise SystemExit(130) from None
+    bar.close()
+    print(f"{len(sequences)} answers in {out} ({skipped} left out: a prompt over --max-prompt-tokens or an empty "
+          "answer)", file=sys.stderr)
+
+
 def cmd_distill(args):
     """Answer the prompts once per temperature, in chunks, saving after each chunk, until done or out
-    of time. With --resume, the answers already in --out are kept and not made again."""
+    of time. With --resume, the answers already in --out are kept and not made again. With --answers, an
+    engine's answers instead (import_answers)."""
     from tqdm import tqdm
     scripts.require_at_least(args, 1, "num_prompts", "max_new_tokens", "max_prompt_tokens", "batch_size", "batches_per_save")
     scripts.require_at_least(args, 0, "skip_prompts")
@@ -374,7 +578,13 @@ def cmd_distill(args):
                    "add to them, or give another file")
     require(args.prompts is None or Path(args.prompts).resolve() != out.resolve(),
                    f"--out '{out}' is the --prompts file")
+    require(args.answers is not None or args.requests is None, "--requests is the batch input of --answers")
+    if args.answers is not None:
+        require(args.prompts is None, "--answers and --prompts: give one (the engine answered its own prompts)")
+        return import_answers(args)
+    rank, world = scripts.join_ranks(args.device)   # under torchrun: each rank answers its part of every chunk
     device, dtype = scripts.device_and_dtype(args.device, args.dtype)
+    device = scripts.rank_device(device)
     target, tokenizer = loading.load_target_and_tokenizer(args.target, dtype, device)
     positions = target.config.get_text_config().max_position_embeddings   # checked before the buffers are made
     require(args.max_prompt_tokens + args.max_new_tokens <= positions, f"--max-prompt-tokens + "
@@ -413,33 +623,42 @@ def cmd_distill(args):
         decoder = BatchDecoder(target, args.batch_size, args.max_prompt_tokens + args.max_new_tokens)
     new_tokens, t0 = 0, time.perf_counter()
     chunk = args.batch_size * args.batches_per_save
-    bar = tqdm(total=len(todo), desc="distill", unit="answer")
+    bar = tqdm(total=len(todo), desc="distill", unit="answer", disable=rank > 0)
     saved = len(sequences)
     try:   # Ctrl-C loses only the chunk in progress: the file holds every chunk before it
         for c in range(0, len(todo), chunk):
-            if args.time_budget and time.perf_counter() - t0 > args.time_budget:
+            spent = args.time_budget and time.perf_counter() - t0 > args.time_budget
+            if scripts.summed(float(bool(spent)), device=device)[0]:   # every rank stops where one has run out
                 print(f"\ntime budget of {args.time_budget}s spent: stopping at {len(sequences)} sequences",
                       file=sys.stderr)
                 break
-            part = todo[c:c + chunk]
+            part, mine = todo[c:c + chunk], []
             for t in sorted({t for t, _, _ in part}):   # a chunk may straddle two temperatures
-                same = [(i, text) for u, i, text in part if u == t]
+                same = [(i, text) for u, i, text in part if u == t][rank::world]
+                if not same:   # a short last chunk: nothing for this rank
+                    continue
                 fresh = distill(target, tokenizer, [text for _, text in same], args.max_new_tokens, args.batch_size,
-                                t, args.seed + c, decoder, on_answers=bar.update)   # as answers end
-                sequences += fresh
-                done += [i for i, _ in same]
-                temperatures += [t] * len(same)
+                                t, args.seed + c + rank, decoder, on_answers=bar.update if world == 1 else None)
+                mine += [(i, t, seq) for (i, _), seq in zip(same, fresh)]
                 new_tokens += sum(len(s.ids) - s.prompt_len for s in fresh)
-            save_sequences(out, sequences, {**meta, "prompt_indices": done, "temperatures": temperatures,
-                                            "complete": c + len(part) >= len(todo)})
+            for i, t, seq in (item for part_of_rank in scripts.gathered(mine) for item in part_of_rank):
+                sequences.append(seq)   # rank 0 holds every rank's answers and saves them
+                done.append(i)
+                temperatures.append(t)
+            if rank == 0:
+                save_sequences(out, sequences, {**meta, "prompt_indices": done, "temperatures": temperatures,
+                                                "complete": c + len(part) >= len(todo)})
+                bar.update(len(part) if world > 1 else 0)   # alone, as each answer ends
             saved = len(sequences)
-            bar.set_postfix(new_tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+            bar.set_postfix(new_tok_s=f"{new_tokens * world / (time.perf_counter() - t0):.0f}")
     except KeyboardInterrupt:
         print(f"\ninterrupted: {saved} sequences saved in {out}; --resume continues from them"
               if saved else "\ninterrupted before the first chunk was saved", file=sys.stderr)
         raise SystemExit(130) from None
     bar.close()
-    seconds = time.perf_counter() - t0
+    seconds, new_tokens = time.perf_counter() - t0, int(scripts.summed(new_tokens, device=device)[0])
+    if rank > 0:
+        return
     print(f"{len(sequences)} sequences in {out}; this run: {new_tokens} response tokens in {seconds:.0f}s "
           f"({new_tokens / seconds:.1f} tokens/s, {'BatchDecoder' if decoder else 'HF generate'})", file=sys.stderr)
 
@@ -451,6 +670,11 @@ def add_command(sub):
     s.add_argument("--target", required=True, help="target HF dir (e.g. from prepare-target)")
     s.add_argument("--out", required=True, help="output file (.pt)")
     s.add_argument("--prompts", help="a prompt file from `prompts` (default: read the installed ShareGPT package)")
+    s.add_argument("--answers", help="instead of decoding: a serving engine's answers, JSONL (an OpenAI-compatible "
+                   "batch output, with --requests; or lines of prompt and response, text or ids)")
+    s.add_argument("--requests", help="--answers' batch input JSONL: each custom_id's messages and temperature")
+    s.add_argument("--greedy", action="store_true", help="--answers whose requests set no temperature were greedy "
+                   "(held-out answers are greedy ones; an OpenAI-compatible server's default temperature is 1)")
     s.add_argument("--num-prompts", type=int, default=2000, help="prompts to answer, in file order")
     s.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts (e.g. those an "
                    "earlier data set answered)")

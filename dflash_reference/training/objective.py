@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,6 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_mask
 import dflash
 from dflash import Drafter, require
 
-if TYPE_CHECKING:   # a type only: a Sequence is what distill writes, (N,) ids and the prompt's length
-    from dflash_reference.training.distill import Sequence
-
 try:   # CUDA builds of torch ship Triton; without it the loss's chunks run their plain-torch twin
     import triton
     import triton.language as tl
@@ -41,6 +38,14 @@ except ImportError:
     triton = None
 # -----------------------------------------------------------------------------
 # Training blocks: anchors in the response, same-position labels (docs/training.md)
+
+@dataclass
+class Sequence:
+    """A prompt and the target's answer to it, the unit of training data (distill.py writes them)."""
+    ids: torch.Tensor     # (N,) prompt ids then the target's response
+    prompt_len: int       # P: positions >= P are the response, the only place anchors go
+
+
 
 IGNORE = -100   # label of rows without a target: the bonus row, rows past the end
 
@@ -466,8 +471,9 @@ CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) logits at a time
 
 
 def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teacher=None, selector=None,
-               block_ids=None, selector_weight: float = 1.0):
-    """Cross-entropy through the target's LM head, weighted by block row, normalised by the weight sum.
+               block_ids=None, selector_weight: float = 1.0, normalizer=None):
+    """Cross-entropy through the target's LM head, weighted by block row, normalised by the weight sum (or
+    by `normalizer`, the whole batch's across data-parallel ranks, whose losses then add up to it).
     hidden (M, B, H), labels (M, B) on the host (make_blocks', so that finding the labelled rows waits
     for no kernel), weights (B,); chunk_grad as FrozenHeadCrossEntropy's. With teacher states (M, B, H)
     (block_teacher), the KL to the target's distribution at each labelled row instead (chunk_grad
@@ -483,13 +489,15 @@ def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teac
     hidden_rows = hidden.flatten(0, 1)[rows_here]                                     # (R, H)
     loss, candidates = FrozenHeadCrossEntropy.apply(hidden_rows, head.weight, gold, w, CE_CHUNK, chunk_grad, wanted,
                                                     head.bias, 0 if selector is None else selector.top_k)
-    loss = loss / w.sum()
+    total = w.sum() if normalizer is None else normalizer
+    loss = loss / total
     if selector is None:
         return loss
     previous = labels.roll(1, dims=1)                                                 # (M, B): row t's gold token before it,
     previous[:, 1] = block_ids[:, 0]                                                  # the anchor's before row 1
     previous = to_device(previous.flatten()[rows], device)                            # (R,)
-    return loss + selector_weight * selector_loss(selector, head, hidden_rows, gold, previous, candidates, w)
+    return loss + selector_weight * selector_loss(selector, head, hidden_rows, gold, previous, candidates, w) \
+        * w.sum() / total
 
 
 def selector_loss(selector, head, hidden, gold, previous, candidates, row_weights):

@@ -29,20 +29,19 @@ import json
 import math
 import sys
 import time
-from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.attention import sdpa_kernel
+import torch.distributed as dist
 
 import dflash
 from dflash import DFlashError, Drafter, require
 from dflash_reference import loading, scripts
 from dflash_reference.scripts import replace_files
 from dflash_reference.training import distill, prompt_sources
-from dflash_reference.training.distill import Sequence
-from dflash_reference.training.objective import (COMPILE, IGNORE, Blocks, block_loss, choose_anchors, head_loss_chunk,
+from dflash_reference.training.distill import CachedFeatures
+from dflash_reference.training.objective import (COMPILE, IGNORE, Blocks, Sequence, block_loss, choose_anchors, head_loss_chunk,
                                                  lm_logits, make_blocks, packed_forward, pad_positions, pad_sequences,
                                                  position_weights, selector_walk, to_device)
 
@@ -157,103 +156,6 @@ def init_selector(selector):
         selector.successor_codebook.zero_()
 
 
-@torch.no_grad()
-def capture_features(target, ids, lengths, layer_ids: list[int], dtype, with_labels: bool = True,
-                     with_teacher: bool = False):
-    """One batched pass of the frozen target over right-padded ids (Bt, N) -> captured features
-    (Bt, N, n·H); the target's own label of every position (Bt, N): its argmax given the text before,
-    IGNORE at position 0 and past each length (None without with_labels, which also skips the LM head);
-    and with with_teacher its teacher states (Bt, N, H): at position p its final-normed state at p - 1,
-    which its LM head turns into its distribution of the token at p (zeros where the label is IGNORE).
-    Attention is causal, so padding never reaches a real position. SDPA leaves cuDNN out
-    (dflash.TARGET_ATTENTION): each pass has a new padded length, and cuDNN would plan every one."""
-    device = target.get_input_embeddings().weight.device
-    ids = ids.to(device)
-    with closing(dflash.Capture(target, layer_ids)) as capture, sdpa_kernel(dflash.TARGET_ATTENTION):
-        if with_labels or with_teacher:
-            final = target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state   # (Bt, N, H)
-        else:
-            target(input_ids=ids, use_cache=False, logits_to_keep=1)
-        features = capture.features().to(dtype)                                       # (Bt, N, n·H)
-    if not (with_labels or with_teacher):
-        return features, None, None
-    past_end = torch.arange(ids.shape[1], device=device) >= lengths.to(device)[:, None]   # (Bt, N)
-    labels = torch.full_like(ids, IGNORE)                                             # (Bt, N)
-    labels[:, 1:] = target.get_output_embeddings()(final[:, :-1]).argmax(-1)
-    labels[past_end] = IGNORE
-    teacher = None
-    if with_teacher:
-        teacher = torch.zeros(*ids.shape, final.shape[-1], dtype=dtype, device=device)   # (Bt, N, H)
-        teacher[:, 1:] = final[:, :-1]
-        teacher[past_end] = 0
-    return features, labels if with_labels else None, teacher
-
-
-class LiveFeatures:
-    """Features and the target's labels (and with `teacher` its teacher states) for each batch of
-    sequences, from a target pass per batch."""
-
-    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, teacher: bool = False):
-        self.target, self.sequences, self.layer_ids, self.dtype = target, sequences, layer_ids, dtype
-        self.teacher = teacher
-
-    def batch(self, indices: list[int]):
-        """-> features (Bt, N, n·H), labels (Bt, N) on the host, teacher states (Bt, N, H) or None, of
-        sequences[indices], N their longest length."""
-        features, labels, teacher = capture_features(self.target, *pad_sequences([self.sequences[i] for i in indices]),
-                                                     self.layer_ids, self.dtype, with_teacher=self.teacher)
-        return features, labels.cpu(), teacher
-
-
-class CachedFeatures:
-    """Features and the target's labels (and with `teacher` its teacher states) of every sequence,
-    captured once: the features kept flat on the device (n·H values per token, and H more for the
-    teacher), the labels on the host, so that building a batch waits for no kernel; then gathered per
-    batch: within each sequence the same tensors LiveFeatures returns, zeros past its end (where
-    LiveFeatures has the target's states on padding, which no block sees)."""
-
-    def __init__(self, target, sequences: list[Sequence], layer_ids: list[int], dtype, teacher: bool = False,
-                 tokens_per_pass: int = 16384):
-        self.device = device = target.get_input_embeddings().weight.device
-        self.lengths = torch.tensor([len(s.ids) for s in sequences])                  # (S,) on the host
-        self.offsets = torch.cumsum(self.lengths, 0) - self.lengths                   # (S,)
-        H = target.config.get_text_config().hidden_size
-        total, width = int(self.lengths.sum()), len(layer_ids) * H
-        self.features = torch.empty(total, width, dtype=dtype, device=device)         # (total, n·H)
-        self.teacher = torch.empty(total, H, dtype=dtype, device=device) if teacher else None   # (total, H)
-        labels_here = torch.empty(total, dtype=torch.long, device=device)             # (total,)
-        starts = self.offsets.tolist()
-        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))     # little padding per pass
-        i = 0
-        while i < len(order):
-            j = i + 1
-            while j < len(order) and (j + 1 - i) * len(sequences[order[j]].ids) <= tokens_per_pass:
-                j += 1
-            chunk = order[i:j]
-            features, labels, teacher = capture_features(target, *pad_sequences([sequences[k] for k in chunk]),
-                                                         layer_ids, dtype, with_teacher=self.teacher is not None)
-            for row, k in enumerate(chunk):
-                start, n = starts[k], len(sequences[k].ids)
-                self.features[start:start + n] = features[row, :n]
-                labels_here[start:start + n] = labels[row, :n]
-                if teacher is not None:
-                    self.teacher[start:start + n] = teacher[row, :n]
-            i = j
-        self.labels = labels_here.cpu()                                               # (total,) one read
-
-    def batch(self, indices: list[int]):
-        """-> features (Bt, N, n·H), labels (Bt, N) on the host, teacher states (Bt, N, H) or None, of
-        the sequences at `indices`, N their longest length."""
-        lengths = self.lengths[indices]                                               # (Bt,)
-        positions = torch.arange(int(lengths.max()))                                  # (N,)
-        past_end = positions[None] >= lengths[:, None]                                # (Bt, N)
-        rows = self.offsets[indices][:, None] + torch.minimum(positions[None], lengths[:, None] - 1)   # (Bt, N)
-        rows_here, past_end_here = to_device(rows, self.device), to_device(past_end, self.device)[..., None]
-        features = self.features[rows_here].masked_fill(past_end_here, 0)             # (Bt, N, n·H)
-        teacher = None if self.teacher is None else self.teacher[rows_here].masked_fill(past_end_here, 0)   # (Bt, N, H)
-        return features, self.labels[rows].masked_fill(past_end, IGNORE), teacher
-
-
 def block_teacher(teacher, blocks: Blocks):
     """Teacher states (Bt, N, H) -> each block row's (M, B, H): row k of a block at anchor a takes
     position a+k's (clamped to N - 1 past the end, where the row has no label)."""
@@ -313,7 +215,7 @@ def heldout_rounds(target, drafter: Drafter, sequences: list[Sequence], batch_si
     rounds = []
     for i in range(0, len(sequences), batch_size):
         batch = sequences[i:i + batch_size]
-        features, _, _ = capture_features(target, *pad_sequences(batch), drafter.config.target_layer_ids, dtype,
+        features, _, _ = distill.capture_features(target, *pad_sequences(batch), drafter.config.target_layer_ids, dtype,
                                           with_labels=False)   # the walk compares drafts with the text itself
         anchors = [choose_anchors(s, len(s.ids), B, None, full_only=True) for s in batch]   # every full-block anchor
         accepted_at = [{} for _ in batch]                                             # anchor -> drafts accepted
@@ -486,6 +388,27 @@ def epoch_shards(order: list[int], cached: list[int], sequences: list[Sequence],
     return [[i for i in order if i in kept]] + (shards(rest, sequences, max_tokens, batch_size) if rest else [])
 
 
+# Data parallel across ranks (torchrun): each rank its part of every batch, the same anchors, the gradients summed
+
+def my_part(indices: list[int], batch_size: int) -> list[int]:
+    """This rank's sequences of `indices`, cut into batches of batch_size: each batch's rank-th of every world."""
+    rank, world = scripts.ranks()
+    return [j for i in range(0, len(indices), batch_size) for j in indices[i:i + batch_size][rank::world]]
+
+
+def sum_gradients(module):
+    """Every parameter's gradient summed over the ranks in one all_reduce (zeros where a rank drew no block):
+    each rank's loss is its part of the batch's, over the whole batch's weight, so the sum is the batch's."""
+    if not dist.is_initialized():
+        return
+    params = [q for q in module.parameters() if q.requires_grad]
+    grads = [torch.zeros_like(q) if q.grad is None else q.grad for q in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    for q, g in zip(params, flat.split([g.numel() for g in grads])):
+        q.grad = g.view_as(q)
+
+
 def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Sequence], cfg: TrainConfig,
           progress: bool = True, store=CachedFeatures, more_heldout: dict[str, list[Sequence]] | None = None,
           on_estimate=None) -> list[dict]:
@@ -496,11 +419,15 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     blocks/s and TFLOP/s per step, held-out τ every cfg.eval_every steps (`heldout_tau`; the sets of
     `more_heldout`, e.g. another data file's, under `heldout_more` by name). After each estimate but the
     last, on_estimate(history so far) runs with the drafter as it stands (cmd_train saves it: a run cut
-    short keeps its last estimated point)."""
+    short keeps its last estimated point). Under torchrun each rank trains on its part of every batch (the
+    anchors drawn for the whole batch alike on every rank, features cached for its part alone) and the gradients
+    are summed: the steps one rank takes with the same batch size and seed; rank 0 alone estimates."""
     from tqdm import tqdm
     if not sequences:
         raise DFlashError("training data: no sequences")
     B, device = drafter.config.block_size, target.get_input_embeddings().weight.device
+    rank, world = scripts.ranks()
+    require(cfg.batch_size % world == 0, f"--batch-size = {cfg.batch_size} must be a multiple of the {world} ranks")
     if not any(len(s.ids) - s.prompt_len >= 2 for s in sequences):
         raise DFlashError("training data: no response has 2 tokens (an anchor needs at least one label)")
     target.requires_grad_(False)
@@ -522,14 +449,15 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     dtype = target.get_input_embeddings().weight.dtype if device.type == "cuda" else next(drafter.parameters()).dtype
     layer_ids = drafter.config.target_layer_ids
     history, step, tau, t0 = [], 0, None, time.perf_counter()
-    features_of, where = None, {}   # the store in use, each sequence's index in it
+    host_weights = weights.cpu().double()                                              # (B,) for the batch's weight
+    features_of, where, cached = None, {}, []   # the store in use, each sequence's index in it, its whole shard
     overhead = 0.0   # seconds that are not the pace of a step: feature captures, and the first step (its compile)
     # On CUDA the host never waits for a step it has just queued: it reads a step's loss back once the
     # next step is queued behind it, so the next batch is built while the GPU runs (reads_back_late).
     # A step's seconds run from the end of the step before it to its own end.
     late, queued, ended = reads_back_late(device), None, t0   # the step queued and not yet read back: (entry, loss, blocks, FLOPs); when the last ended
     before = None   # the step before it, while it is read back
-    bar = tqdm(total=plan["total"], desc="train", unit="step", disable=not progress)
+    bar = tqdm(total=plan["total"], desc="train", unit="step", disable=not progress or rank > 0)
 
     def read_back(pending, estimate_allowed=True):
         nonlocal ended, overhead, tau
@@ -547,7 +475,9 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
         elapsed = now - t0
         if cfg.time_budget and (refit_now(entry["step"]) or elapsed > cfg.time_budget):   # before deciding on
             fit_to_budget(plan, step, elapsed, cfg, bar, overhead)   # an estimate: a run cut here ends with one
-        estimate = estimate_allowed and (heldout or more_heldout) and (
+        if cfg.time_budget and world > 1:   # every rank takes rank 0's plan
+            plan["total"] = int(scripts.summed(plan["total"] if rank == 0 else 0, device=device)[0])
+        estimate = rank == 0 and estimate_allowed and (heldout or more_heldout) and (
             entry["step"] % cfg.eval_every == 0 or entry["step"] == plan["total"])
         if estimate:
             drafter.eval()
@@ -565,15 +495,15 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
     try:   # Ctrl-C ends training where it is; the caller saves the drafter as trained so far
         while step < plan["total"]:
             order = torch.randperm(len(sequences), generator=generator).tolist()   # new order and anchors each epoch
-            runs = epoch_shards(order, list(where), sequences, cfg.cache_tokens, cfg.batch_size)
+            runs = epoch_shards(order, cached, sequences, cfg.cache_tokens, cfg.batch_size)
             for run in runs:
-                if any(i not in where for i in run):   # captured once if one shard holds them all
+                if set(run) != set(cached):   # captured once if one shard holds them all
                     if queued:
                         queued = read_back(queued)
                     t_capture = time.perf_counter()
-                    features_of = None   # free the last shard's cache before capturing the next
-                    features_of = store(target, [sequences[i] for i in run], layer_ids, dtype, cfg.soft_labels)
-                    where = {i: k for k, i in enumerate(run)}
+                    features_of, mine = None, my_part(run, cfg.batch_size)   # the last shard's cache freed first
+                    features_of = store(target, [sequences[i] for i in mine], layer_ids, dtype, cfg.soft_labels)
+                    where, cached = {i: k for k, i in enumerate(mine)}, run
                     ended = time.perf_counter()
                     overhead += ended - t_capture
                     if progress and store is CachedFeatures:
@@ -581,22 +511,35 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                 for i in range(0, len(run), cfg.batch_size):
                     if step >= plan["total"]:
                         break
-                    indices = run[i:i + cfg.batch_size]
+                    batch = run[i:i + cfg.batch_size]   # the whole batch's anchors, on every rank alike
+                    anchor_lists = [choose_anchors(sequences[j], cfg.anchors, B, generator, False) for j in batch]
+                    indices, anchor_lists = batch[rank::world], anchor_lists[rank::world]
                     # (Bt, N, n·H), (Bt, N) on the host, (Bt, N, H) or None
                     features, labels, teacher = pad_positions(*features_of.batch([where[j] for j in indices]),
                                                               cfg.pad_shapes[0])
                     blocks = make_blocks([sequences[j] for j in indices], cfg.anchors, B, drafter.config.mask_token_id,
-                                         generator, labels=labels, pad_to=cfg.pad_shapes[1])
-                    drawn = blocks.drawn()
+                                         anchor_lists=anchor_lists, labels=labels, pad_to=cfg.pad_shapes[1])
+                    labelled = blocks.labels != IGNORE                                  # (M, B)
+                    drawn, weight = scripts.summed(blocks.drawn(), float(host_weights.expand_as(labelled)[labelled].sum()),
+                                           device=device)   # the whole batch's, over every rank
+                    drawn = int(drawn)
                     if not drawn:   # no response here has two tokens: no step, rather than a 0/0 loss
                         continue
-                    with autocast(device):
-                        hidden = draft_hidden(target, drafter, blocks, features)
-                        loss = block_loss(target, hidden, blocks.labels, weights, chunk_grad,
-                                          None if teacher is None else block_teacher(teacher, blocks),
-                                          drafter.candidate_selector, blocks.block_ids, cfg.selector_weight)
                     optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
+                    if blocks.drawn():
+                        with autocast(device):
+                            hidden = draft_hidden(target, drafter, blocks, features)
+                            loss = block_loss(target, hidden, blocks.labels, weights, chunk_grad,
+                                              None if teacher is None else block_teacher(teacher, blocks),
+                                              drafter.candidate_selector, blocks.block_ids, cfg.selector_weight,
+                                              normalizer=weight if world > 1 else None)
+                        loss.backward()
+                    else:   # this rank drew nothing: its part of the sum is zero
+                        loss = torch.zeros((), device=device)
+                    sum_gradients(drafter)
+                    if world > 1:
+                        loss = loss.detach().clone()
+                        dist.all_reduce(loss)
                     torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
                     optimizer.step()
                     schedule.step()
@@ -683,7 +626,10 @@ def cmd_train(args):
     require(len(args.heldout) <= len(args.data), f"--heldout has {len(args.heldout)} counts for "
                    f"{len(args.data)} --data file{'s' if len(args.data) > 1 else ''}")
     require(min(args.heldout) >= 0, f"--heldout = {' '.join(map(str, args.heldout))}: counts must be ≥ 0")
+    rank, world = scripts.join_ranks(args.device)
     device, dtype = scripts.device_and_dtype(args.device, args.dtype)
+    device = scripts.rank_device(device)
+    say = print if rank == 0 else (lambda *a, **k: None)   # rank 0 speaks for the ranks
     torch.manual_seed(args.seed)
     target = loading.load_target(args.target, dtype, device)
     counts = args.heldout + [0] * (len(args.data) - len(args.heldout))   # files past the counts hold none out
@@ -699,7 +645,7 @@ def cmd_train(args):
     for path, _, file_meta in files:
         made_by = file_meta.get("target")
         if made_by is not None and not distill.same_target(str(made_by), args.target):
-            print(f"note: --data {path} holds the answers of '{made_by}', the --target is '{args.target}'",
+            say(f"note: --data {path} holds the answers of '{made_by}', the --target is '{args.target}'",
                   file=sys.stderr)
     rows = target.get_input_embeddings().weight.shape[0]
     for path, seqs, _ in files:
@@ -714,14 +660,14 @@ def cmd_train(args):
         more_heldout = {path: first_response_tokens(held, args.heldout_tokens) for path, held in more_heldout.items()}
     kept = [q for q in training if prompt_of(q) not in held_prompts]
     if len(kept) < len(training):
-        print(f"--data {args.data[0]}: left out {len(training) - len(kept)} more of its answers, whose prompts a "
+        say(f"--data {args.data[0]}: left out {len(training) - len(kept)} more of its answers, whose prompts a "
               f"later file holds out", file=sys.stderr)
     training = kept
     more_data = []
     for path, extra, extra_meta in loaded:
         kept = [q for q in extra if prompt_of(q) not in held_prompts]
         if len(kept) < len(extra):
-            print(f"--data {path}: left out {len(extra) - len(kept)} of its answers, whose prompts are held out",
+            say(f"--data {path}: left out {len(extra) - len(kept)} of its answers, whose prompts are held out",
                   file=sys.stderr)
         training += kept
         more_data.append({"file": path, "source": extra_meta.get("source"), "sequences": len(kept),
@@ -747,7 +693,7 @@ def cmd_train(args):
         if args.layers not in (None, drafter.config.num_layers):
             grown_from = drafter.config.num_layers
             drafter, raw = grown(target, drafter, raw, args.layers)
-            print(f"--init {args.init}: {grown_from} layers grown to {args.layers}; the new ones start at zero "
+            say(f"--init {args.init}: {grown_from} layers grown to {args.layers}; the new ones start at zero "
                   f"output (o_proj, down_proj)", file=sys.stderr)
         args.layers, args.block_size = drafter.config.num_layers, drafter.config.block_size
     else:
@@ -765,7 +711,7 @@ def cmd_train(args):
         sizes = {name: loading.DFLASH2_DEFAULTS[name] if given is None else given for name, given in sizes.items()}
         drafter, raw = as_dflash2(target, drafter, raw, sizes)
         if args.init:
-            print(f"--init {args.init}: made DFlash2 ({', '.join(f'{k} {v}' for k, v in sizes.items())}); it drafts "
+            say(f"--init {args.init}: made DFlash2 ({', '.join(f'{k} {v}' for k, v in sizes.items())}); it drafts "
                   f"as the DFlash drafter did until training moves its convolutions and selector", file=sys.stderr)
     else:
         given = [name for name, value in sizes.items() if value is not None]
@@ -774,7 +720,7 @@ def cmd_train(args):
                                        ("final_logit_softcapping", None)) if getattr(drafter.config, name) != plain]
     require(not scaled, f"--init {args.init}: its config sets {', '.join(scaled)}, which training does not apply")
     layer_ids = raw["dflash_config"]["target_layer_ids"]
-    print(f"drafter{' (DFlash2)' if drafter.candidate_selector is not None else ''}: {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, {args.layers} layers, "
+    say(f"drafter{' (DFlash2)' if drafter.candidate_selector is not None else ''}: {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters, {args.layers} layers, "
           f"block {args.block_size}, mask id {drafter.config.mask_token_id}, target layers {layer_ids}; "
           f"{len(training)} training sequences, {len(heldout)} held out"
           + "".join(f", {len(held)} from {path}" for path, held in more_heldout.items()), file=sys.stderr)
@@ -788,9 +734,9 @@ def cmd_train(args):
                       cache_tokens=args.cache_tokens, pad_shapes=tuple(args.pad_shapes), compile=args.compile,
                       soft_labels=args.soft_labels, selector_weight=args.selector_weight, seed=args.seed)
     at_init = None   # the checkpoint's held-out τ before this phase: where its line starts
-    if args.init and (heldout or more_heldout):
+    if args.init and (heldout or more_heldout) and rank == 0:
         at_init = heldout_entry(target, drafter, heldout, more_heldout, args.batch_size)
-        print(f"--init {args.init}: held-out τ {named_estimates(at_init)} before training", file=sys.stderr)
+        say(f"--init {args.init}: held-out τ {named_estimates(at_init)} before training", file=sys.stderr)
     out, t0 = Path(args.out), time.perf_counter()
 
     def save(history: list[dict], snapshot: bool):
@@ -807,8 +753,9 @@ def cmd_train(args):
                "at_init": at_init, "grown_from_layers": grown_from,
                "history": history}
         # the log moves with the weights it describes: a kill midway leaves the last snapshot's three files
-        replace_files(loading.drafter_writes(drafter, raw, out, scripts.DTYPES[args.save_dtype])
-                      | {out / "training.json": lambda p: p.write_text(json.dumps(log, indent=1))})
+        if rank == 0:   # the ranks' drafters are one
+            replace_files(loading.drafter_writes(drafter, raw, out, scripts.DTYPES[args.save_dtype])
+                          | {out / "training.json": lambda p: p.write_text(json.dumps(log, indent=1))})
         return log
 
     history = train(target, drafter, training, heldout, cfg, more_heldout=more_heldout,
@@ -816,9 +763,12 @@ def cmd_train(args):
     if not history:   # Ctrl-C before the first step
         raise KeyboardInterrupt
     seconds = save(history, snapshot=False)["seconds"]
-    loading.load_drafter(str(out), target, dtype, device)   # the file loads as any released drafter does
+    if world > 1:
+        dist.destroy_process_group()
+    if rank == 0:
+        loading.load_drafter(str(out), target, dtype, device)   # the file loads as any released drafter does
     last = next((h for h in reversed(history) if "heldout_tau" in h or "heldout_more" in h), None)
-    print(f"trained {len(history)} steps in {seconds:.0f}s, final loss {history[-1]['loss']:.3f}"
+    say(f"trained {len(history)} steps in {seconds:.0f}s, final loss {history[-1]['loss']:.3f}"
           + (f", held-out τ {named_estimates(last)}" if last else "") + f" -> {out}", file=sys.stderr)
     if history[-1].get("interrupted"):
         raise SystemExit(130)
