@@ -605,7 +605,7 @@ def served_port(state_carried=False, rows_mixed=False):
     drafter's context from one request to the next (state_carried), or as a batch whose rows each commit the
     next row's acceptance count (rows_mixed: each row's verification takes the next row's a in that round)."""
     def dump(target, drafter, spec):
-        out, real_empty, made, lengths = {}, dflash.DraftContext.empty, [], {}
+        out, real_empty, made = {}, dflash.DraftContext.empty, []
         for i, request in enumerate(spec["requests"]):
             real_verify, rounds = dflash.verify, []
 
