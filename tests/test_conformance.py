@@ -714,3 +714,61 @@ def test_the_porting_docs_cost_table_is_the_committed_json():
     for bug, row in costs["bugs"].items():
         line = next(line for line in docs.splitlines() if line.startswith(f"| {bug} |"))
         assert (f"| {row['tau']:.2f} |" in line) if row["applies"] else "not shown" in line, line
+
+
+# The independent port's planted mistakes -> a case that shows each, and the checker's name for it
+PORT_MISTAKES = {
+    "conv_future_row": ("dflash2-high-acceptance", "a convolution's taps reading a later row"),
+    "conv_taps_at_source": ("dflash2-high-acceptance", "the dynamic taps indexed at the source row"),
+    "conv_base_halves_swapped": ("dflash2-high-acceptance", "base_kernel's halves swapped"),
+    "conv_pre_skipped": ("dflash2-high-acceptance", "the convolution before each sublayer skipped"),
+    "conv_post_skipped": ("dflash2-high-acceptance", "the convolution after each sublayer skipped"),
+    "conv_post_taps_from_output": ("dflash2-high-acceptance", "the second convolution's taps from the sublayer's"),
+    "conv_over_residual": ("dflash2-high-acceptance", "the convolutions run over the residual stream"),
+    "selector_predecessor_argmax": ("dflash2-high-acceptance", "the selector's pair term with each row's own argmax"),
+    "selector_bonus_skipped": ("dflash2-high-acceptance", "the walk not seeded with the bonus"),
+    "codebooks_swapped": ("dflash2-high-acceptance", "the predecessor and successor codebooks swapped"),
+    "rows_before_final_norm": ("dflash2-high-acceptance", "the draft rows read before the final norm"),
+    "rows_shifted_to_anchor": ("dflash2-high-acceptance", "the draft rows read one early"),
+    "candidates_before_scaling": ("dflash2-scaled", "the selector's candidates taken before output_multiplier"),
+    "embedding_scale_ignored": ("dflash2-scaled", "the block's embeddings unscaled"),
+    "one_hot_verification": ("dflash2-sampled", "DFlash2's drafts verified as if proposed one-hot"),
+    "no_selector": ("dflash2-high-acceptance", "a DFlash2 drafter run without its selector"),
+    "layer_one_off": ("dflash2", "every capture one target layer deeper"),
+    "target_rope": ("dflash2", "the target's RoPE base for the drafter's"),
+    "state_not_reset": ("served", "the drafter's context not cleared between requests"),
+    "acceptance_from_other_row": ("served", "a row's acceptance applied to another row"),
+}
+
+
+def port_dump(name: str, mistakes=frozenset(), dtype=torch.float32, batched=False):
+    import docs_port
+    if name == "served":
+        return docs_port.serve(cases.KIT / name, dtype, frozenset(mistakes), batched=batched)
+    return docs_port.run(cases.KIT / name, dtype, frozenset(mistakes))
+
+
+def test_a_port_written_from_the_docs_conforms_in_float32_and_bf16():
+    """tests/docs_port.py, a DFlash/DFlash2 port written from docs/porting.md and the paper without the reference's
+    source, conforms on every DFlash and DFlash2 case in float32 (served: one after another and as a batch),
+    and computing in bf16 on the designed ones."""
+    for name in [n for n in cases.CASES if n != "laguna"]:
+        for batched in ((False, True) if name == "served" else (False,)):
+            result = checker.check(cases.KIT / name, port_dump(name, batched=batched))
+            assert checker.verdict(result), (name, batched, checker.report(result))
+    for name in ("high-acceptance", "dflash2-high-acceptance", "dflash2-scaled"):
+        result = checker.check(cases.KIT / name, port_dump(name, dtype=torch.bfloat16))
+        assert result["dtype"] == "bfloat16" and checker.verdict(result), (name, checker.report(result))
+
+
+@pytest.mark.parametrize("mistake", sorted(PORT_MISTAKES))
+def test_each_mistake_planted_in_a_port_from_the_docs_fails_and_is_named(mistake):
+    """Each DFlash2 mistake and each of the field's porting bugs, planted in tests/docs_port.py (not dflash.py),
+    fails a case and the checker's replays name it, in float32 and computing in bf16; the serving mistakes fail
+    the served case one after another (state) or as a batch (rows), and are named."""
+    name, named = PORT_MISTAKES[mistake]
+    for dtype in (torch.float32, torch.bfloat16):
+        dump = port_dump(name, {mistake}, dtype, batched=mistake == "acceptance_from_other_row")
+        result = checker.check(cases.KIT / name, dump)
+        assert result["first"] is not None, (dtype, checker.report(result))
+        assert any(m.startswith(named) for m in result["first"]["mistakes"][0]), (dtype, checker.report(result))

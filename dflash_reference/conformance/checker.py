@@ -131,7 +131,7 @@ def check(case_dir: Path, dump: dict, tolerance: float | None = None, diagnose: 
         parts.append(check_request(case_dir, spec, request, mine, spec["outcomes"][i]["acceptance_lengths"], given,
                                    tolerance, diagnose, dtype, until, prefix))
     first = next((part["first"] for part in parts if part["first"] is not None), None)
-    if first is not None and diagnose and first["key"].startswith("request.") and int(first["key"].split(".")[1]):
+    if first is not None and diagnose and first["key"].startswith("request."):
         first["mistakes"] = served_mistakes(case_dir, spec, first)
     known = {key for part in parts for key in part["results"]}
     return {"case": spec["case"], "dtype": dtype, "results": {k: v for part in parts for k, v in part["results"].items()},
@@ -166,11 +166,13 @@ def check_request(case_dir: Path, spec: dict, request: dict, expected: dict, len
             results[prefix + key] = "beyond bf16"
             continue
         got, want, r = dump[key], expected[key], key.rsplit(".", 1)[-1]
+        same_order = lambda replayed: replayed   # a replay's value as the comparison orders it
         own = lambda name: bands.get(name, spec["stages"][name]["tolerance"]) if tolerance is None else tolerance
         tol = own(stage) if info["tolerance"] else 0   # exact stages stay exact
         if stage == "top5_ids" and got.shape == want.shape and f"top5_logits.{r}" in expected:
             logits = expected[f"top5_logits.{r}"].double()
-            got, want = (cases.within_ties(t, logits, own("top5_logits")) for t in (got, want))
+            same_order = lambda ids, logits=logits, tol=own("top5_logits"): cases.within_ties(ids, logits, tol)
+            got, want = same_order(got), same_order(want)
         if stage in ("candidates", "selector_scores") and f"candidates.{r}" in dump:   # compared by candidate id
             by_id = dump[f"candidates.{r}"].argsort(-1)
             got = got.gather(-1, by_id) if got.shape == by_id.shape else got
@@ -190,9 +192,9 @@ def check_request(case_dir: Path, spec: dict, request: dict, expected: dict, len
         if diff is not None and (first is None or earlier_round):
             first = {"key": prefix + key, "stage": stage, "difference": diff, "pitfall": info["pitfall"],
                      "note": where_it_points(case_dir, stage, diff, want), "spread": spreads[prefix + key],
-                     "got": dump[key], "tolerance": tol}
+                     "got": got, "tolerance": tol, "same_order": same_order}
             if diagnose and any(stage in m.stages for m in MISTAKES.values()):
-                first["mistakes"] = known_mistakes(case_dir, request, key, dump[key], tol)
+                first["mistakes"] = known_mistakes(case_dir, request, key, got, tol, same_order)
     compared = [key for key, outcome in results.items() if outcome not in ("missing", "beyond bf16")]
     return {"case": spec["case"], "dtype": dtype, "results": results, "first": first, "spreads": spreads,
             "unknown": sorted(set(dump) - set(expected)), "compared": len(compared), "until": until,
@@ -502,9 +504,11 @@ MISTAKES = {
 }
 
 
-def known_mistakes(case_dir: Path, request: dict, key: str, got, tolerance: float) -> tuple[list, list]:
+def known_mistakes(case_dir: Path, request: dict, key: str, got, tolerance: float,
+                   same_order=lambda value: value) -> tuple[list, list]:
     """Replay the request with each known mistake that can first show at key's stage, up to key -> (the
-    mistakes whose value there equals got within tolerance, every mistake replayed)."""
+    mistakes whose value there, ordered as the comparison orders it (same_order: ids by candidate, near-tied
+    ranks by id), equals got within tolerance, every mistake replayed)."""
     stage = cases.stage_of(key)
     target, probe, _ = cases.load_case(case_dir)
     tried = [name for name, m in MISTAKES.items() if stage in m.stages and m.applies(probe, target, request)]
@@ -516,7 +520,7 @@ def known_mistakes(case_dir: Path, request: dict, key: str, got, tolerance: floa
                 patches.enter_context(patch)
             replayed = replay(target, drafter, request, key)
         if replayed is not None and first_difference(got.to(replayed.dtype) if replayed.is_floating_point() else got,
-                                                     replayed, tolerance) is None:
+                                                     same_order(replayed), tolerance) is None:
             found.append(name)
     return found, tried
 
@@ -533,9 +537,10 @@ def replay(target, drafter, request: dict, key: str, generate=None):
 
 # Served requests: mistakes of an engine instance that serves several, one after another or as one batch
 
-def state_carried(case_dir: Path, requests: list[dict], i: int, key: str):
+def state_carried(case_dir: Path, requests: list[dict], i: int, key: str, own_positions: bool):
     """Request i run after request i − 1 with the drafter's context not cleared: it starts holding the rows
-    request i − 1 left."""
+    request i − 1 left, its own rows after them at the positions that continue theirs, or (own_positions) at
+    the request's own positions from 0, as an engine that keeps a stale cache but counts each request anew."""
     target, drafter, _ = cases.load_case(case_dir)
     real_empty, made = dflash.DraftContext.empty, []
 
@@ -545,7 +550,23 @@ def state_carried(case_dir: Path, requests: list[dict], i: int, key: str):
     with mock.patch.object(dflash.DraftContext, "empty", staticmethod(empty)):
         dflash.generate(target, drafter, requests[i - 1]["prompt_ids"], requests[i - 1]["max_new_tokens"],
                         **cases.generate_kwargs(requests[i - 1]))
-        return replay(target, drafter, requests[i], key)
+        stale = made[-1].length if own_positions else 0
+
+        def append_context(drafter_, ctx, c):   # dflash.append_context at the request's own positions
+            tables = drafter_.rope_tables(torch.arange(ctx.length - stale, ctx.length - stale + len(c)), c.dtype)
+            for l, layer in enumerate(drafter_.layers):
+                k, v = layer.context_kv(c, tables)
+                ctx.keys[l], ctx.values[l] = torch.cat([ctx.keys[l], k], 1), torch.cat([ctx.values[l], v], 1)
+
+        def draft_block(drafter_, ctx, block_embeds):   # dflash.draft_block likewise, the stale keys at theirs
+            positions = torch.arange(ctx.length - stale, ctx.length - stale + len(block_embeds))     # (W,)
+            keys = torch.cat([torch.arange(stale), torch.arange(ctx.length - stale), positions])      # (S+W,)
+            masks = [dflash.attention_mask(positions, keys, layer.causal, layer.window) for layer in drafter_.layers]
+            return drafter_(block_embeds, drafter_.rope_tables(positions, block_embeds.dtype),
+                            list(zip(ctx.keys, ctx.values)), masks, block=len(block_embeds))
+        with mock.patch.object(dflash, "append_context", append_context), \
+                mock.patch.object(dflash, "draft_block", draft_block):
+            return replay(target, drafter, requests[i], key)
 
 
 def acceptance_of_another_row(case_dir: Path, spec: dict, i: int, key: str):
@@ -569,22 +590,27 @@ def acceptance_of_another_row(case_dir: Path, spec: dict, i: int, key: str):
 
 
 SERVED_MISTAKES = {
-    "the drafter's context not cleared between requests (the previous request's rows left in)":
-        lambda case_dir, spec, i, key: state_carried(case_dir, spec["requests"], i, key),
+    "the drafter's context not cleared between requests (the previous request's rows left in, the new rows at "
+    "the request's own positions)": lambda case_dir, spec, i, key: i > 0 and state_carried(
+        case_dir, spec["requests"], i, key, own_positions=True),
+    "the drafter's context not cleared between requests (the previous request's rows left in, the positions "
+    "going on after them)": lambda case_dir, spec, i, key: i > 0 and state_carried(
+        case_dir, spec["requests"], i, key, own_positions=False),
     "a row's acceptance applied to another row of the batch (row i commits row i + 1's)": acceptance_of_another_row,
 }
 
 
 def served_mistakes(case_dir: Path, spec: dict, first: dict) -> tuple[list, list]:
-    """For a served case whose first difference is in request i > 0: the serving mistakes that reproduce it."""
+    """For a served case: the serving mistakes that reproduce its first difference, in request i."""
     i, key, got = int(first["key"].split(".")[1]), first["key"].split(".", 2)[2], first["got"]
     found = []
     for name, run in SERVED_MISTAKES.items():
         if name.startswith("a row's") and spec["requests"][i]["temperature"] > 0:
             continue
         replayed = run(case_dir, spec, i, key)
-        if replayed is not None and first_difference(got.to(replayed.dtype) if replayed.is_floating_point() else got,
-                                                     replayed, first["tolerance"]) is None:
+        if isinstance(replayed, torch.Tensor) and first_difference(
+                got.to(replayed.dtype) if replayed.is_floating_point() else got, first["same_order"](replayed),
+                first["tolerance"]) is None:
             found.append(name)
     return found + first.get("mistakes", ([], []))[0], list(SERVED_MISTAKES) + first.get("mistakes", ([], []))[1]
 
