@@ -225,8 +225,8 @@ STAGES = {
     "top5_logits": ("(W-1, 5)", 1e-3, "the LM head over the drafter's rows 1..W-1: the rows read shifted by "
                     "one, read before the final norm, a head other than the target's own, or output_multiplier and "
                     "softcapping not applied"),
-    "top5_ids": ("(W-1, 5)", 0, "the LM head over the drafter's rows 1..W-1, read shifted by one, or over a padded "
-                 "vocabulary (a padding row's logit among the real ones)"),
+    "top5_ids": ("(W-1, 5)", 0, "the LM head over the drafter's rows 1..W-1, read shifted by one, or a head other "
+                 "than the target's (not shared: a padded vocabulary read as the drafter's own)"),
     "candidates": ("(k, top_k)", 0, "DFlash2's candidates, each row's top_k draft logits (after "
                    "output_multiplier and softcapping; compared as sets): the rows read shifted by one"),
     "selector_scores": ("(k, top_k)", 1e-4, "DFlash2's walk: the codebooks read at the wrong rows (a key stored "
