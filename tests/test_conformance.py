@@ -764,11 +764,12 @@ def test_a_port_written_from_the_docs_conforms_in_float32_and_bf16():
 @pytest.mark.parametrize("mistake", sorted(PORT_MISTAKES))
 def test_each_mistake_planted_in_a_port_from_the_docs_fails_and_is_named(mistake):
     """Each DFlash2 mistake and each of the field's porting bugs, planted in tests/docs_port.py (not dflash.py),
-    fails a case and the checker's replays name it, in float32 and computing in bf16; the serving mistakes fail
-    the served case one after another (state) or as a batch (rows), and are named."""
+    fails a case and the checker's replays name it (the convolutions' and the walk's with the port computing in
+    bf16, the rest in float32; every mistake in bf16 is held on dflash.py above); the serving mistakes fail the
+    served case one after another (state) or as a batch (rows), and are named."""
     name, named = PORT_MISTAKES[mistake]
-    for dtype in (torch.float32, torch.bfloat16):
-        dump = port_dump(name, {mistake}, dtype, batched=mistake == "acceptance_from_other_row")
-        result = checker.check(cases.KIT / name, dump)
-        assert result["first"] is not None, (dtype, checker.report(result))
-        assert any(m.startswith(named) for m in result["first"]["mistakes"][0]), (dtype, checker.report(result))
+    dtype = torch.bfloat16 if mistake.startswith(("conv_", "selector_")) else torch.float32   # bf16: a sample
+    dump = port_dump(name, {mistake}, dtype, batched=mistake == "acceptance_from_other_row")
+    result = checker.check(cases.KIT / name, dump)
+    assert result["first"] is not None, (dtype, checker.report(result))
+    assert any(m.startswith(named) for m in result["first"]["mistakes"][0]), (dtype, checker.report(result))

@@ -466,7 +466,7 @@ def test_distill_resume_refuses_answers_from_another_source(tmp_path):
     assert len(distill.load_sequences(tmp_path / "d.pt")[0]) == 4   # the two greedy answers kept, two sampled added
 
 
-def test_distill_imports_an_engines_answers_and_resumes(catalog_paths, tmp_path):
+def test_distill_imports_an_engines_answers_and_resumes(catalog_paths, tmp_path, capsys):
     """`distill --answers` takes a serving engine's answers as token ids (lines of prompt and response ids), keeps
     each answer's key and temperature, resumes by key, refuses a line it cannot read in one error line, and the
     file trains (the target's features and labels by teacher forcing, as for distill's own answers)."""
@@ -475,27 +475,26 @@ def test_distill_imports_an_engines_answers_and_resumes(catalog_paths, tmp_path)
             {"custom_id": "b", "prompt_ids": [8, 9], "response_ids": [10, 11, 12, 13, 14], "temperature": 0.7}]
     answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "engine.pt"
-    first = run_train_cli("distill", "--target", catalog_paths["l"], "--answers", str(answers), "--out", str(out))
-    assert first.returncode == 0, first.stderr[-2000:]
+    train.main(["distill", "--target", catalog_paths["l"], "--answers", str(answers), "--out", str(out)])
     sequences, meta = distill.load_sequences(out)
     assert [s.ids.tolist() for s in sequences] == [[1, 2, 3, 4, 5, 6, 7, 8, 9], [8, 9, 10, 11, 12, 13, 14]]
     assert [s.prompt_len for s in sequences] == [3, 2] and meta["temperatures"] == [0, 0.7]
     assert meta["engine_keys"] == ["a", "b"] and meta["complete"]
     answers.write_text(answers.read_text() + json.dumps({"custom_id": "c", "prompt_ids": [3, 4],
                                                          "response_ids": [5, 6, 7, 8], "temperature": 0}) + "\n")
-    again = run_train_cli("distill", "--target", catalog_paths["l"], "--answers", str(answers), "--out", str(out),
-                          "--resume")
-    assert again.returncode == 0, again.stderr[-2000:]
+    train.main(["distill", "--target", catalog_paths["l"], "--answers", str(answers), "--out", str(out), "--resume"])
     sequences, meta = distill.load_sequences(out)
     assert meta["engine_keys"] == ["a", "b", "c"] and len(sequences) == 3
-    trained = run_train_cli("train", "--target", catalog_paths["l"], "--data", str(out), "--out", str(tmp_path / "d"),
-                            "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK), "--max-steps", "1",
-                            "--heldout", "1", "--device", "cpu")
-    assert trained.returncode == 0, trained.stderr[-2000:]
+    train.main(["train", "--target", catalog_paths["l"], "--data", str(out), "--out", str(tmp_path / "d"),
+                "--block-size", "4", "--layers", "1", "--mask-token-id", str(MASK), "--max-steps", "1", "--heldout",
+                "1", "--device", "cpu"])
+    assert (tmp_path / "d" / "model.safetensors").is_file()
     (tmp_path / "bad.jsonl").write_text('{"custom_id": "x", "response": {"body": {}}}\n')
-    bad = run_train_cli("distill", "--target", catalog_paths["l"], "--answers", str(tmp_path / "bad.jsonl"), "--out",
-                        str(tmp_path / "x.pt"))
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        scripts.run(train.main, argv=["distill", "--target", catalog_paths["l"], "--answers",
+                                      str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "x.pt")])
+    assert exit.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: --answers {tmp_path / 'bad.jsonl'}: line 1 is neither an answer with its prompt nor a batch output "
         "line (custom_id, response.body.choices)")
 
@@ -518,9 +517,8 @@ def test_distill_imports_an_openai_batch_run_through_the_chat_template(tmp_path)
                 "error": None}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
     (tmp_path / "out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in outputs))
-    done = run_train_cli("distill", "--target", str(target_dir), "--answers", str(tmp_path / "out.jsonl"),
-                         "--requests", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "d.pt"))
-    assert done.returncode == 0, done.stderr[-2000:]
+    train.main(["distill", "--target", str(target_dir), "--answers", str(tmp_path / "out.jsonl"), "--requests",
+                str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "d.pt")])
     sequences, meta = distill.load_sequences(tmp_path / "d.pt")
     assert meta["engine_keys"] == ["r1", "r0"] and meta["temperatures"] == [0, 0]
     for seq, m, text, stopped in zip(sequences, messages[::-1], ["One, two, three", "Blue."], [False, True]):
@@ -529,6 +527,6 @@ def test_distill_imports_an_openai_batch_run_through_the_chat_template(tmp_path)
         assert seq.ids[:seq.prompt_len].tolist() == prompt
         answer = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if stopped else [])
         assert seq.ids[seq.prompt_len:].tolist() == answer
-    alone = run_train_cli("distill", "--target", str(target_dir), "--answers", str(tmp_path / "out.jsonl"), "--out",
-                          str(tmp_path / "e.pt"))
-    assert alone.returncode == 2 and "line 1 has no prompt (give the batch's input as --requests)" in alone.stderr
+    with pytest.raises(DFlashError, match=r"line 1 has no prompt \(give the batch's input as --requests\)"):
+        train.main(["distill", "--target", str(target_dir), "--answers", str(tmp_path / "out.jsonl"), "--out",
+                    str(tmp_path / "e.pt")])
