@@ -487,10 +487,11 @@ MISTAKE_CASES = {
 
 
 @pytest.mark.parametrize("mistake", sorted(checker.MISTAKES))
-def test_each_known_mistake_fails_and_is_named_in_float32_and_bf16(mistake):
-    """dflash.py with each known mistake made, computing in float32 and in bf16, fails its case and the
-    checker's replays name that mistake. A mistake of the readout leaves the block's rows right, as a port's
-    would: their values are left out of its dump (the replay changes them to reach the readout)."""
+def test_each_known_mistake_in_bf16_fails_and_is_named(mistake):
+    """dflash.py with each known mistake made, computing in bf16, fails its case and the checker's float32 replays
+    name that mistake within the case's bf16 bands (a float32 port with it matches the replay closer still). A
+    mistake of the readout leaves the block's rows right, as a port's would: their values are left out of its
+    dump (the replay changes them to reach the readout)."""
     name = next(case for start, case in MISTAKE_CASES.items() if mistake.startswith(start))
     made = checker.MISTAKES[mistake]
 
@@ -501,10 +502,9 @@ def test_each_known_mistake_fails_and_is_named_in_float32_and_bf16(mistake):
             values = cases.record_reference(target, drafter, request)[0]
         return {k: v for k, v in values.items() if cases.stage_of(k) in made.stages or
                 not (set(made.stages) <= set(checker.READOUT) and cases.stage_of(k) in ("hidden",))}
-    for dtype in (torch.float32, torch.bfloat16):
-        result = checker.check(cases.KIT / name, reference_dump(cases.KIT / name, dtype, port))
-        assert result["first"] is not None, (dtype, checker.report(result))
-        assert mistake in result["first"]["mistakes"][0], (dtype, checker.report(result))
+    result = checker.check(cases.KIT / name, reference_dump(cases.KIT / name, torch.bfloat16, port))
+    assert result["dtype"] == "bfloat16" and result["first"] is not None, checker.report(result)
+    assert mistake in result["first"]["mistakes"][0], checker.report(result)
     assert sorted(MISTAKE_CASES.values()) and set(MISTAKE_CASES.values()) <= set(BF16_CASES)
 
 
@@ -685,8 +685,8 @@ def test_the_cli_checks_bf16_dumps_writes_single_cases_and_refuses_float32_only_
     assert strict.returncode == 1
     only32 = run_cli("check", str(tmp_path / "bf16.safetensors"), "--case", "sampled", script="dflash-conformance")
     assert only32.returncode == 2 and "case sampled is float32 only" in only32.stderr.strip().splitlines()[-1]
-    wrote = run_cli("--kit", str(tmp_path / "kit"), "write", "--case", "zlab-qwen3", script="dflash-conformance")
-    assert wrote.returncode == 0 and sorted(p.name for p in (tmp_path / "kit").iterdir()) == ["zlab-qwen3"]
+    checker.main(["--kit", str(tmp_path / "kit"), "write", "--case", "high-acceptance"])
+    assert sorted(p.name for p in (tmp_path / "kit").iterdir()) == ["high-acceptance"]
     unknown = run_cli("--kit", str(tmp_path / "kit"), "write", "--case", "nope", script="dflash-conformance")
     assert unknown.returncode == 2 and "--case: ['nope'] are not cases" in unknown.stderr
 
