@@ -1,7 +1,7 @@
 """GPU benchmark of the training pipeline, bf16: self-distillation and drafter training throughput.
 
-Builds a SmolLM2-135M-shaped target with random weights (or loads --target), then, side by side in
-one run, after warm-up:
+Builds a target with random weights at SmolLM2-135M's shapes (--shape; or loads --target), then, side by
+side in one run, after warm-up:
 
   distill   response tokens/s of the same prompts at the same batch: distill.BatchDecoder (static K/V,
             continuous batching, one CUDA graph per temperature) against HF generate (dynamic cache).
@@ -23,6 +23,7 @@ one run, after warm-up:
             of train.step_flops.
 
     $ python benchmarks/bench_train.py --out bench-train.json
+    $ python benchmarks/bench_train.py --shape qwen3-8b --skip distill,hf --dflash2-only --out dflash2-8b.json
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import dflash
 from dflash_reference import loading, scripts
 from dflash_reference.training import distill, objective, train
 
-SHAPE = bench.SHAPES["smollm2-135m"]
 PADDED = (64, 512)   # the train row with rounded shapes (train --pad-shapes 64 512)
 TRAIN_SEQUENCES = 64   # the random sequences the training rows draw their batches from
 
@@ -206,7 +206,9 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
 
 def main(argv=None):
     p = scripts.parser(__doc__)
-    p.add_argument("--target", help="a real target dir (default: SmolLM2-135M shapes, random weights)")
+    p.add_argument("--target", help="a real target dir (default: --shape's shapes, random weights)")
+    p.add_argument("--shape", choices=list(bench.SHAPES), default="smollm2-135m",
+                   help="the random target's shapes (the drafters are 3 and 5 layers of its width)")
     p.add_argument("--distill-batch", type=int, default=1024)
     p.add_argument("--max-new", type=int, default=512, help="BatchDecoder new tokens per row")
     p.add_argument("--hf-max-new", type=int, default=128, help="new tokens per row in the side-by-side with HF")
@@ -226,12 +228,12 @@ def main(argv=None):
     if args.target:
         target = loading.load_target(args.target, torch.bfloat16, "cuda")
     else:
-        target = bench.build_pair(SHAPE)[0]
+        target = bench.build_pair(bench.SHAPES[args.shape])[0]
     bandwidth, flops = bench.copy_bandwidth(), matmul_rate()
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-              "dtype": "bfloat16", "target": args.target or "SmolLM2-135M shapes, random weights",
+              "dtype": "bfloat16", "target": args.target or f"{args.shape} shapes, random weights",
               "copy_bandwidth_gb_s": bandwidth / 1e9, "matmul_tflops": flops / 1e12}
     print(json.dumps(result), flush=True)
 

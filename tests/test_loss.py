@@ -94,8 +94,8 @@ def test_frozen_head_distillation_equals_full_logits_kl():
     compiled = head_loss_chunk(True, soft=True)
     logits, teacher_logits = (3 * torch.randn(37, 1000, generator=g) for _ in range(2))
     w = torch.rand(37, generator=g)
-    eager_loss, eager_grad = soft_chunk_grad(logits, teacher_logits, w)
-    compiled_loss, compiled_grad = compiled(logits, teacher_logits, w)
+    eager_loss, eager_grad, _ = soft_chunk_grad(logits, teacher_logits, w)
+    compiled_loss, compiled_grad, _ = compiled(logits, teacher_logits, w)
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-7)
 
@@ -116,8 +116,8 @@ def test_compiled_head_chunk_equals_eager_on_cpu():
         assert counters["aot_autograd"]["autograd_cache_bypass"] == 1   # compiled, around the caches
     for rows in (37, 20):
         logits, labels, w, want, want_grad = head_chunk_cases("cpu", torch.float32, rows, 1000)
-        eager_loss, eager_grad = objective.head_chunk_grad(logits, labels, w)
-        loss, grad = compiled(logits, labels, w)
+        eager_loss, eager_grad, _ = objective.head_chunk_grad(logits, labels, w)
+        loss, grad, _ = compiled(logits, labels, w)
         assert grad.dtype == torch.float32 and grad.shape == (rows, 1000)
         torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-7)
@@ -140,9 +140,9 @@ def test_compiled_head_chunk_on_cuda(soft):
     recorded = lambda logits, *rest: kernel_rows.append(len(logits)) or kernel(logits, *rest)
     for rows in (CE_CHUNK, 1000):
         logits, labels, w, want, want_grad = head_chunk_cases("cuda", torch.bfloat16, rows, 49152, soft)
-        eager_loss, eager_grad = eager(logits, labels, w)
+        eager_loss, eager_grad, _ = eager(logits, labels, w)
         with mock.patch.object(objective, "triton_head_chunk_grad", recorded):
-            loss, grad = compiled(logits, labels, w)
+            loss, grad, _ = compiled(logits, labels, w)
         assert grad.dtype == torch.bfloat16
         for got, ref in [(loss, eager_loss), (grad, eager_grad)]:
             exact = want if got.dim() == 0 else want_grad
@@ -223,12 +223,27 @@ def test_selector_loss_is_its_definition_with_the_gold_token_before_each_row(lla
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-12)
 
 
-def test_frozen_head_cross_entropy_returns_each_rows_top_k():
+def test_frozen_head_cross_entropy_returns_each_rows_top_k_and_label_with_their_logits():
+    """With top_k, the chunked head also returns each row's top-k ids by logit then its label, and their
+    logits (bias included), from the logits it made for the loss; a gradient on those logits reaches the
+    rows as through W[ids] · h + b, beside the loss's own (float64, chunks that do not divide the rows)."""
     g = torch.Generator().manual_seed(3)
-    hidden, head = torch.randn(19, 8, generator=g, dtype=torch.float64), torch.randn(40, 8, generator=g, dtype=torch.float64)
+    hidden = torch.randn(19, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    head, bias = (torch.randn(40, 8, generator=g, dtype=torch.float64), torch.randn(40, generator=g, dtype=torch.float64))
     labels, w = torch.randint(0, 40, (19,), generator=g), torch.rand(19, generator=g, dtype=torch.float64)
-    _, candidates = FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7, objective.head_chunk_grad, None, None, 4)
-    assert torch.equal(candidates, (hidden @ head.T).topk(4, dim=-1).indices)
-    _, none = FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7)
-    assert none.shape == (19, 0)
+    loss, picked, picked_logits = FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7, objective.head_chunk_grad,
+                                                               None, bias, 4)
+    logits = hidden.detach() @ head.T + bias                                          # (19, 40)
+    assert torch.equal(picked[:, :4], logits.topk(4, dim=-1).indices) and torch.equal(picked[:, 4], labels)
+    torch.testing.assert_close(picked_logits, logits.gather(1, picked), rtol=1e-12, atol=1e-12)
+    outer = torch.randn(19, 5, generator=g, dtype=torch.float64)                      # a gradient on the logits
+    (got,) = torch.autograd.grad(3 * loss + (outer * picked_logits).sum(), hidden)
+    full = hidden.detach().requires_grad_(True)
+    want = 3 * (w * F.cross_entropy(full @ head.T + bias, labels, reduction="none")).sum() \
+        + (outer * ((head[picked] @ full[:, :, None])[..., 0] + bias[picked])).sum()
+    (want_grad,) = torch.autograd.grad(want, full)
+    assert (outer[:, :, None] * head[picked]).sum(1).abs().max() > 0.1   # the picks' part is not negligible
+    torch.testing.assert_close(got, want_grad, rtol=1e-12, atol=1e-12)
+    _, none, no_logits = FrozenHeadCrossEntropy.apply(hidden, head, labels, w, 7)
+    assert none.shape == no_logits.shape == (19, 0)
 

@@ -469,9 +469,9 @@ def head_kernel_errors(device, dtypes, cases=((37, 1000), (5, 4096)), block=256)
                     "twin": objective.head_chunk_grad(logits, labels, w)}
             errors[f"{rows}x{vocab} {dtype}"] = {
                 **{name: [abs(loss.item() - want.item()), (grad.double() - want_grad).abs().max().item()]
-                   for name, (loss, grad) in runs.items()},
+                   for name, (loss, grad, _) in runs.items()},
                 "largest": [abs(want.item()), want_grad.abs().max().item()],
-                "same_dtype": all(grad.dtype == dtype for _, grad in runs.values())}
+                "same_dtype": all(grad.dtype == dtype for _, grad, _ in runs.values())}
     return errors
 
 
@@ -483,6 +483,46 @@ def check_head_kernel(errors: dict):
         assert e["same_dtype"], key
         for i in range(2):
             assert e["kernel"][i] <= 2 * e["twin"][i] + 1e-6 * max(1.0, e["largest"][i]), (key, i, e)
+
+
+def head_kernel_top_k(device, dtypes, cases=((37, 1000, 5), (6, 100, 16)), block=256):
+    """The head loss kernel with top_k (tiles of `block`: a row of several, and a vocabulary shorter than
+    one), on random logits with some rows crowded by ties (a constant row, a row of few distinct values,
+    the top value repeated): per case, whether every row's ids are distinct columns whose logits are
+    torch.topk's values, largest first, and whether the loss and gradient are bitwise those without top_k."""
+    results = {}
+    for rows, vocab, top_k in cases:
+        for dtype in dtypes:
+            logits, labels, w, _, _ = head_chunk_cases(device, dtype, rows, vocab)
+            logits[0] = 1.0                                                           # every column tied
+            logits[1] = torch.randint(0, 3, (vocab,), generator=torch.Generator().manual_seed(1)).to(device, dtype)
+            logits[2, ::7] = logits[2].max()                                          # the top value many times
+            loss, grad, ids = objective.triton_head_chunk_grad(logits, labels, w, top_k, block=block)
+            plain_loss, plain_grad, none = objective.triton_head_chunk_grad(logits, labels, w, block=block)
+            in_range = bool(((ids >= 0) & (ids < vocab)).all())
+            results[f"{rows}x{vocab} top {top_k} {dtype}"] = {
+                "shape": list(ids.shape) == [rows, top_k] and list(none.shape) == [rows, 0],
+                "distinct": in_range and all(len(set(r)) == top_k for r in ids.tolist()),
+                "top_values": in_range and torch.equal(logits.gather(1, ids.clamp(0, vocab - 1)),
+                                                       logits.topk(top_k, dim=-1).values),
+                "same_loss": torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)}
+    return results
+
+
+def check_head_kernel_top_k(results: dict):
+    assert results
+    for key, r in results.items():
+        assert all(r.values()), (key, r)
+
+
+def test_head_kernel_top_k_under_the_triton_interpreter():
+    """The head loss kernel's top k, taken in its two passes over each row (the logits at or above a floor
+    from the first pass's lane maxima; where ties crowd the floor, picked one at a time), run by Triton's
+    CPU interpreter in fp32 and fp16: torch.topk's values in order from distinct columns, and the loss
+    and gradient unchanged (`check_head_kernel_top_k`)."""
+    results = under_the_triton_interpreter("head_kernel_top_k('cpu', [torch.float32, torch.float16])")
+    assert len(results) == 2 * 2
+    check_head_kernel_top_k(results)
 
 
 def test_head_kernel_under_the_triton_interpreter():
@@ -498,9 +538,15 @@ def test_head_kernel_under_the_triton_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_head_kernel_on_cuda():
     """The same on the GPU in fp32, fp16 and bf16, and at SmolLM2's vocabulary in bf16 with the
-    kernel's own tiles (a full chunk of 8,192 rows and a short one)."""
+    kernel's own tiles (a full chunk of 8,192 rows and a short one); its top k likewise, and at Qwen3's
+    vocabulary."""
     errors = head_kernel_errors("cuda", [torch.float32, torch.float16, torch.bfloat16])
     errors |= head_kernel_errors("cuda", [torch.bfloat16], cases=((objective.CE_CHUNK, 49152), (1000, 49152)),
                                  block=objective.HEAD_BLOCK)
     print(errors)
     check_head_kernel(errors)
+    results = head_kernel_top_k("cuda", [torch.float32, torch.float16, torch.bfloat16])
+    results |= head_kernel_top_k("cuda", [torch.bfloat16], cases=((objective.CE_CHUNK, 49152, 16), (1000, 151936, 16)),
+                                 block=objective.HEAD_BLOCK)
+    print(results)
+    check_head_kernel_top_k(results)

@@ -316,26 +316,38 @@ def packed_forward(drafter: Drafter, c, x, sequence, anchors):
 # -----------------------------------------------------------------------------
 # The frozen LM head's cross-entropy, a chunk of rows at a time, and its gradient to the logits
 
-def head_chunk_grad(logits, labels, row_weights):
+def top_ids(logits, top_k: int):
+    """Each row's top_k column ids by logit, largest first (c, top_k); an empty (c, 0) for top_k 0."""
+    if not top_k:
+        return torch.empty(len(logits), 0, dtype=torch.long, device=logits.device)
+    return logits.topk(top_k, dim=-1).indices                                         # (c, k)
+
+
+def head_chunk_grad(logits, labels, row_weights, top_k: int = 0):
     """One chunk of FrozenHeadCrossEntropy: logits (c, V) in the head's dtype, labels (c,), row weights
-    (c,) -> Σ w · CE and its gradient to the logits, w · (softmax − onehot), in the head's dtype, with
-    the softmax in float32 (float64 for a float64 head). Pointwise but for the softmax's row sums, so
-    that compiled (`train --compile`) it is a few fused passes over the logits rather than one per op.
-    The plain-torch twin of triton_head_chunk_grad, which head_loss_chunk takes on CUDA."""
+    (c,) -> Σ w · CE, its gradient to the logits, w · (softmax − onehot), in the head's dtype, with
+    the softmax in float32 (float64 for a float64 head), and each row's top_k ids (top_ids). Pointwise
+    but for the softmax's row sums, so that compiled (`train --compile`) it is a few fused passes over
+    the logits rather than one per op. The plain-torch twin of triton_head_chunk_grad, which
+    head_loss_chunk takes on CUDA."""
     exact = torch.promote_types(logits.dtype, torch.float32)
     log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
     loss = -(row_weights * log_p.gather(1, labels[:, None])[:, 0]).sum()
     onehot = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]   # (c, V)
     d_logits = (log_p.exp() - onehot.to(exact)) * row_weights[:, None]                # (c, V)
-    return loss, d_logits.to(logits.dtype)
+    return loss, d_logits.to(logits.dtype), top_ids(logits, top_k)
 
 
 if triton is not None:
     @triton.jit
-    def _head_chunk_grad(Logits, Labels, Weights, Grad, RowLoss, V, stride, BLOCK: tl.constexpr):
+    def _head_chunk_grad(Logits, Labels, Weights, Grad, RowLoss, TopValues, TopIds, TopCount, V, stride,
+                         BLOCK: tl.constexpr, TOP: tl.constexpr, CAP: tl.constexpr):
         """Row r of a chunk: its log-partition log Σ exp(x) in one online pass over the row's logits x,
         then its loss w·(log Z − x[y]) and, in a second pass, its gradient w·(exp(x − log Z) − onehot(y))
-        in the logits' dtype; float32 inside."""
+        in the logits' dtype; float32 inside. With TOP > 0, the second pass also keeps the row's top
+        TOP (see triton_head_chunk_grad): every logit at least the TOP-th largest of the first pass's
+        per-lane maxima, in slots [0, CAP) and their count; where more than CAP are, a third pass picks
+        the top TOP one at a time into slots [CAP, CAP + TOP)."""
         r = tl.program_id(0).to(tl.int64)
         row, cols = Logits + r * stride, tl.arange(0, BLOCK)
         run_max = tl.full([BLOCK], -1e30, tl.float32)   # finite: a lane past V adds exp(-inf) = 0, not NaN
@@ -349,11 +361,46 @@ if triton is not None:
         log_z = top + tl.log(tl.sum(run_sum * tl.exp(run_max - top), 0))
         label, w = tl.load(Labels + r), tl.load(Weights + r).to(tl.float32)
         tl.store(RowLoss + r, w * (log_z - tl.load(row + label).to(tl.float32)))
+        # the lane maxima are logits of distinct columns, so the TOP-th largest of them is at most the
+        # row's TOP-th largest logit: every top-TOP logit is at least it
+        floor_value, kept = 0.0, 0
+        if TOP > 0:
+            floor = run_max
+            for _ in tl.static_range(TOP - 1):
+                floor = tl.where(cols == tl.argmax(floor, 0), -1e30, floor)
+            floor_value = tl.max(floor, 0)
         for start in range(0, V, BLOCK):
             c = start + cols
             x = tl.load(row + c, mask=c < V, other=0.0).to(tl.float32)
             grad = (tl.exp(x - log_z) - (c == label).to(tl.float32)) * w
             tl.store(Grad + r * V + c, grad.to(Grad.dtype.element_ty), mask=c < V)
+            if TOP > 0:
+                above = (x >= floor_value) & (c < V)
+                found = tl.sum(above.to(tl.int32), 0)
+                if found > 0:   # a few tiles of the row: the others skip the scan
+                    slot = kept + tl.cumsum(above.to(tl.int32), 0) - 1
+                    tl.store(TopValues + r * (CAP + TOP) + slot, x, mask=above & (slot < CAP))
+                    tl.store(TopIds + r * (CAP + TOP) + slot, c, mask=above & (slot < CAP))
+                    kept += found
+        if TOP > 0:
+            tl.store(TopCount + r, kept)
+            if kept > CAP:   # ties crowd the floor (a constant row, say): the top TOP one by one, exactly
+                last_value, last_id = float("inf"), -1
+                for j in range(TOP):
+                    best_value, best_id = -float("inf"), V
+                    for start in range(0, V, BLOCK):
+                        c = start + cols
+                        x = tl.load(row + c, mask=c < V, other=float("-inf")).to(tl.float32)
+                        after = ((x < last_value) | ((x == last_value) & (c > last_id))) & (c < V)
+                        x = tl.where(after, x, -float("inf"))
+                        tile_value = tl.max(x, 0)
+                        tile_id = tl.min(tl.where(after & (x == tile_value), c, V), 0)
+                        better = (tile_value > best_value) | ((tile_value == best_value) & (tile_id < best_id))
+                        best_value = tl.where(better, tile_value, best_value)
+                        best_id = tl.where(better, tile_id, best_id)
+                    tl.store(TopValues + r * (CAP + TOP) + CAP + j, best_value)
+                    tl.store(TopIds + r * (CAP + TOP) + CAP + j, best_id)
+                    last_value, last_id = best_value, best_id
 
 
 # a row's tile and the kernel's warps: 0.651 ms a chunk of 8,192 rows on the H200, 1.69× its floor (the
@@ -361,22 +408,38 @@ if triton is not None:
 HEAD_BLOCK, HEAD_WARPS = 2048, 8
 
 
-def triton_head_chunk_grad(logits, labels, row_weights, block: int = HEAD_BLOCK, warps: int = HEAD_WARPS):
+def triton_head_chunk_grad(logits, labels, row_weights, top_k: int = 0, block: int = HEAD_BLOCK,
+                           warps: int = HEAD_WARPS):
     """head_chunk_grad as one Triton kernel, a program per row: the logits read twice (the second time
     mostly from L2) and the gradient written once. On the H200, 0.651 ms a chunk of 8,192 × 49,152
     against 1.330 for head_chunk_grad compiled by inductor. Labels must lie in [0, V) (block_loss
     drops the rows without one; checking here would read them back to the host). log Z is summed at
     the scale of the largest logit, so far from 0 (|logits| in the hundreds) it rounds more than the
-    twin; a drafter's logits stay well inside that."""
+    twin; a drafter's logits stay well inside that.
+
+    The top_k ids come from the same two passes, with no topk over the vocabulary: the second pass keeps
+    the few logits at or above a floor no higher than the row's k-th largest (about k of them), and a
+    topk over those few picks the k. Ties may pick other columns of the same logit than torch.topk."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     labels, row_weights = labels.contiguous(), row_weights.contiguous()                # read at r, not r·stride
     (c, V), exact = logits.shape, torch.promote_types(logits.dtype, torch.float32)
+    require(top_k <= V, f"top_k = {top_k} must be at most the vocabulary's {V}")
+    cap = 4 * top_k   # kept logits a row: about top_k are at the floor or above
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)          # (c, V)
     row_loss = torch.empty(c, dtype=exact, device=logits.device)                   # (c,)
+    kept_values = torch.empty(c, cap + top_k, dtype=torch.float32, device=logits.device)   # (c, cap + k)
+    kept_ids = torch.empty(c, cap + top_k, dtype=torch.int32, device=logits.device)        # (c, cap + k)
+    kept = torch.empty(c, dtype=torch.int32, device=logits.device)                          # (c,)
     if c:
-        _head_chunk_grad[(c,)](logits, labels, row_weights, grad, row_loss, V, logits.stride(0),
-                               BLOCK=block, num_warps=warps)
-    return row_loss.sum(), grad
+        _head_chunk_grad[(c,)](logits, labels, row_weights, grad, row_loss, kept_values, kept_ids, kept, V,
+                               logits.stride(0), BLOCK=block, TOP=top_k, CAP=cap, num_warps=warps)
+    if not top_k:
+        return row_loss.sum(), grad, top_ids(logits, 0)
+    slot = torch.arange(cap + top_k, device=logits.device)                          # (cap + k,)
+    crowded = (kept > cap)[:, None]                                                  # (c, 1): picked one by one
+    valid = torch.where(crowded, slot >= cap, slot < kept[:, None])                  # (c, cap + k)
+    best = kept_values.masked_fill(~valid, float("-inf")).topk(top_k, dim=-1).indices   # (c, k)
+    return row_loss.sum(), grad, kept_ids.gather(1, best).long()
 
 
 # -----------------------------------------------------------------------------
@@ -401,18 +464,18 @@ def position_weights(block_size: int, gamma: float, device=None, dtype=torch.flo
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k)).to(dtype)
 
 
-def soft_chunk_grad(logits, teacher_logits, row_weights):
+def soft_chunk_grad(logits, teacher_logits, row_weights, top_k: int = 0):
     """head_chunk_grad for logit distillation: logits and the teacher's logits (c, V) in the head's
     dtype, row weights (c,) -> Σ w · KL(q ‖ p), q and p the softmax of the teacher's and the drafter's
-    logits, and its gradient to the logits, w · (p − q); the softmaxes in float32 (float64 for a
-    float64 head). Zero when the drafter's distribution is the target's."""
+    logits, its gradient to the logits, w · (p − q), and each row's top_k ids (top_ids); the softmaxes
+    in float32 (float64 for a float64 head). Zero when the drafter's distribution is the target's."""
     exact = torch.promote_types(logits.dtype, torch.float32)
     log_p = logits.to(exact).log_softmax(-1)                                          # (c, V)
     log_q = teacher_logits.to(exact).log_softmax(-1)                                  # (c, V)
     q = log_q.exp()
     loss = (row_weights * (q * (log_q - log_p)).sum(-1)).sum()
     d_logits = (log_p.exp() - q) * row_weights[:, None]                               # (c, V)
-    return loss, d_logits.to(logits.dtype)
+    return loss, d_logits.to(logits.dtype), top_ids(logits, top_k)
 
 
 def head_loss_chunk(compiled: bool, soft: bool = False):
@@ -424,10 +487,10 @@ def head_loss_chunk(compiled: bool, soft: bool = False):
         return torch.compile(soft_chunk_grad, **COMPILE) if compiled else soft_chunk_grad
     twin = torch.compile(head_chunk_grad, **COMPILE) if compiled else head_chunk_grad
 
-    def chunk_grad(logits, labels, row_weights):
+    def chunk_grad(logits, labels, row_weights, top_k: int = 0):
         if logits.is_cuda and triton is not None and logits.dtype != torch.float64:
-            return triton_head_chunk_grad(logits, labels, row_weights)
-        return twin(logits, labels, row_weights)
+            return triton_head_chunk_grad(logits, labels, row_weights, top_k)
+        return twin(logits, labels, row_weights, top_k)
     return chunk_grad
 
 
@@ -440,31 +503,48 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     `chunk_grad` is head_chunk_grad or what head_loss_chunk returns. With teacher states t_r (M, H),
     the loss is logit distillation instead: Σ_r w_r · KL(softmax(t_r Wᵀ) ‖ softmax(h_r Wᵀ)), the
     teacher's logits made chunk by chunk too, and chunk_grad is soft_chunk_grad (or it compiled).
-    Returns the loss and, with top_k, each row's top_k token ids by logit (R, k), else an empty (R, 0)."""
+
+    With top_k (DFlash2's candidates), also each row's top_k ids by logit followed by its label (R, k + 1)
+    and their logits (R, k + 1) in float32 at least, taken by chunk_grad from the logits made for the
+    loss: no second pass over the vocabulary. The logits are differentiable: their gradient g reaches
+    the rows as Σ_j g_j · W[id_j], W's rows summed by embedding_bag, never gathered as (R, k + 1, H).
+    Without, both are empty (R, 0)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, row_weights, chunk: int, chunk_grad=head_chunk_grad, teacher=None,
                 bias=None, top_k: int = 0):
-        loss = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
-        rows, grads, candidates = hidden.to(weight.dtype), [], []   # cast once, joined once: not a cast and a copy a chunk
+        exact = torch.promote_types(weight.dtype, torch.float32)
+        loss = torch.zeros((), dtype=exact, device=hidden.device)
+        rows, grads, picked, picked_logits = hidden.to(weight.dtype), [], [], []   # cast once, joined once
         for i in range(0, len(rows), chunk):
             logits = F.linear(rows[i:i + chunk], weight, bias)                        # (c, V)
-            if top_k:   # DFlash2's candidates, from the logits made here anyway: no second pass through the head
-                candidates.append(logits.topk(top_k, dim=-1).indices)                 # (c, k)
             wanted = labels[i:i + chunk] if teacher is None else F.linear(teacher[i:i + chunk].to(weight.dtype),
                                                                            weight, bias)
-            chunk_loss, d_logits = chunk_grad(logits, wanted, row_weights[i:i + chunk])
+            chunk_loss, d_logits, top = chunk_grad(logits, wanted, row_weights[i:i + chunk], top_k)   # top (c, k)
             loss += chunk_loss
             grads.append(d_logits @ weight)                                           # (c, H)
-        ctx.save_for_backward(torch.cat(grads).to(hidden.dtype))                      # (M, H)
-        found = torch.cat(candidates) if top_k else labels.new_empty(len(rows), 0)   # (R, k)
-        ctx.mark_non_differentiable(found)
-        return loss, found
+            if top_k:
+                ids = torch.cat([top, labels[i:i + chunk, None]], 1)                   # (c, k + 1)
+                picked.append(ids)
+                picked_logits.append(logits.gather(1, ids).to(exact))                 # (c, k + 1)
+        ids = torch.cat(picked) if top_k else labels.new_empty(len(rows), 0)          # (R, k + 1)
+        ctx.save_for_backward(torch.cat(grads).to(hidden.dtype), weight, ids)         # (M, H), W, ids
+        ctx.top_k, ctx.hidden_dtype = top_k, hidden.dtype
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(ids)
+        return loss, ids, torch.cat(picked_logits) if top_k else loss.new_empty(len(rows), 0)
 
     @staticmethod
-    def backward(ctx, grad_loss, _):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None, None
+    def backward(ctx, grad_loss, _, grad_picked_logits):
+        grad, weight, ids = ctx.saved_tensors
+        grad_hidden = None if grad_loss is None else grad * grad_loss.to(grad.dtype)   # (M, H)
+        if ctx.top_k and grad_picked_logits is not None:
+            with torch.autocast(grad.device.type, enabled=False):
+                through_picks = F.embedding_bag(ids, weight, mode="sum",
+                                                per_sample_weights=grad_picked_logits.to(weight.dtype))   # (R, H)
+            through_picks = through_picks.to(ctx.hidden_dtype)
+            grad_hidden = through_picks if grad_hidden is None else grad_hidden + through_picks
+        return grad_hidden, None, None, None, None, None, None, None, None
 
 
 CE_CHUNK = 8192   # rows per LM-head pass: (8192, V) logits at a time
@@ -487,8 +567,8 @@ def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teac
     wanted = None if teacher is None else teacher.flatten(0, 1)[rows_here]            # (R, H)
     gold = to_device(flat[rows], device)                                              # (R,)
     hidden_rows = hidden.flatten(0, 1)[rows_here]                                     # (R, H)
-    loss, candidates = FrozenHeadCrossEntropy.apply(hidden_rows, head.weight, gold, w, CE_CHUNK, chunk_grad, wanted,
-                                                    head.bias, 0 if selector is None else selector.top_k)
+    loss, picked, picked_logits = FrozenHeadCrossEntropy.apply(hidden_rows, head.weight, gold, w, CE_CHUNK, chunk_grad,
+                                                               wanted, head.bias, 0 if selector is None else selector.top_k)
     total = w.sum() if normalizer is None else normalizer
     loss = loss / total
     if selector is None:
@@ -496,30 +576,27 @@ def block_loss(target, hidden, labels, weights, chunk_grad=head_chunk_grad, teac
     previous = labels.roll(1, dims=1)                                                 # (M, B): row t's gold token before it,
     previous[:, 1] = block_ids[:, 0]                                                  # the anchor's before row 1
     previous = to_device(previous.flatten()[rows], device)                            # (R,)
-    return loss + selector_weight * selector_loss(selector, head, hidden_rows, gold, previous, candidates, w) \
+    return loss + selector_weight * selector_loss(selector, hidden_rows, previous, picked, picked_logits, w) \
         * w.sum() / total
 
 
-def selector_loss(selector, head, hidden, gold, previous, candidates, row_weights):
+def selector_loss(selector, hidden, previous, picked, picked_logits, row_weights):
     """DFlash2's selector loss (docs/training.md): the k-way cross-entropy of each labelled row's candidate scores
     S(b) = unary(b) + Σ_r A[previous, r] · u[r] · Bc[candidate b, r], with the gold token before the row as
     `previous` (teacher forcing), the gold token put in the last candidate's place where the top-k misses
-    it; weighted by row, normalised by the weight sum. hidden (R, H) the final-normed rows, gold and
-    previous (R,), candidates (R, k) their top-k by logit (FrozenHeadCrossEntropy's), row_weights (R,).
-    The unary scores are the logits of the candidates, made again from their head rows so that the
-    gradient reaches the drafter through them too."""
-    k = candidates.shape[1]
-    missing = (candidates != gold[:, None]).all(-1)                                   # (R,)
-    last = torch.arange(k, device=candidates.device) == k - 1                         # (k,)
-    candidates = torch.where(missing[:, None] & last, gold[:, None], candidates)       # (R, k)
-    slot = (candidates == gold[:, None]).int().argmax(-1)                              # (R,) the gold's place
-    rows = hidden.to(head.weight.dtype)
-    unary = (head.weight[candidates] @ rows[:, :, None])[..., 0]                       # (R, k)
-    if head.bias is not None:
-        unary = unary + head.bias[candidates]
+    it; weighted by row, normalised by the weight sum. hidden (R, H) the final-normed rows, previous (R,),
+    picked (R, k + 1) each row's top-k by logit then its gold token and picked_logits (R, k + 1) their
+    logits, the unary scores (FrozenHeadCrossEntropy's: through them the gradient reaches the drafter
+    too), row_weights (R,)."""
+    k = picked.shape[1] - 1
+    candidates, gold = picked[:, :k], picked[:, k:]                                   # (R, k), (R, 1)
+    missing = (candidates != gold).all(-1, keepdim=True)                              # (R, 1)
+    last = torch.arange(k, device=picked.device) == k - 1                             # (k,)
+    candidates = torch.where(missing & last, gold, candidates)                        # (R, k)
+    unary = torch.where(missing & last, picked_logits[:, k:], picked_logits[:, :k])   # (R, k)
+    slot = (candidates == gold).int().argmax(-1)                                      # (R,) the gold's place
     pair = pair_scores(selector, candidates, previous, selector.hidden_projection(hidden))   # (R, k)
-    exact = torch.promote_types(unary.dtype, torch.float32)   # the softmax in float32 at least, as the drafts' CE
-    scores = unary.to(exact) + pair.to(exact)                                         # (R, k)
+    scores = unary + pair.to(unary.dtype)   # float32 at least, as the drafts' CE    # (R, k)
     ce = F.cross_entropy(scores, slot, reduction="none")                              # (R,)
     return (row_weights * ce).sum() / row_weights.sum()
 
