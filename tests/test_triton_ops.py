@@ -488,7 +488,7 @@ def check_head_kernel(errors: dict):
 def head_kernel_top_k(device, dtypes, cases=((37, 1000, 5), (6, 100, 16)), block=256):
     """The head loss kernel with top_k (tiles of `block`: a row of several, and a vocabulary shorter than
     one), on random logits with some rows crowded by ties (a constant row, a row of few distinct values,
-    the top value repeated): per case, whether every row's ids are distinct columns whose logits are
+    the top value repeated) or with the largest logits all in one lane of the tiles: per case, whether every row's ids are distinct columns whose logits are
     torch.topk's values, largest first, and whether the loss and gradient are bitwise those without top_k."""
     results = {}
     for rows, vocab, top_k in cases:
@@ -497,6 +497,9 @@ def head_kernel_top_k(device, dtypes, cases=((37, 1000, 5), (6, 100, 16)), block
             logits[0] = 1.0                                                           # every column tied
             logits[1] = torch.randint(0, 3, (vocab,), generator=torch.Generator().manual_seed(1)).to(device, dtype)
             logits[2, ::7] = logits[2].max()                                          # the top value many times
+            lane = logits[3:5, 5::block]                                              # one lane's columns
+            logits[3, 5::block] = 20 + torch.arange(lane.shape[1], dtype=dtype, device=device)   # rising along it,
+            logits[4, 5::block] = 20 - torch.arange(lane.shape[1], dtype=dtype, device=device)   # falling: all its top
             loss, grad, ids = objective.triton_head_chunk_grad(logits, labels, w, top_k, block=block)
             plain_loss, plain_grad, none = objective.triton_head_chunk_grad(logits, labels, w, block=block)
             in_range = bool(((ids >= 0) & (ids < vocab)).all())

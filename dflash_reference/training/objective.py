@@ -340,53 +340,59 @@ def head_chunk_grad(logits, labels, row_weights, top_k: int = 0):
 
 if triton is not None:
     @triton.jit
-    def _head_chunk_grad(Logits, Labels, Weights, Grad, RowLoss, TopValues, TopIds, TopCount, V, stride,
-                         BLOCK: tl.constexpr, TOP: tl.constexpr, CAP: tl.constexpr):
+    def _head_chunk_grad(Logits, Labels, Weights, Grad, RowLoss, TopIds, V, stride, BLOCK: tl.constexpr,
+                         TOP: tl.constexpr, TOP_SLOTS: tl.constexpr):
         """Row r of a chunk: its log-partition log Σ exp(x) in one online pass over the row's logits x,
         then its loss w·(log Z − x[y]) and, in a second pass, its gradient w·(exp(x − log Z) − onehot(y))
-        in the logits' dtype; float32 inside. With TOP > 0, the second pass also keeps the row's top
-        TOP (see triton_head_chunk_grad): every logit at least the TOP-th largest of the first pass's
-        per-lane maxima, in slots [0, CAP) and their count; where more than CAP are, a third pass picks
-        the top TOP one at a time into slots [CAP, CAP + TOP)."""
+        in the logits' dtype; float32 inside. With TOP > 0, also the row's TOP largest logits' columns,
+        largest first: the first pass keeps each lane's three largest, and TOP steps of a merge take the
+        largest lane head each; where a lane gave all three (ties crowding it, a constant row), the TOP
+        are picked one at a time by passes over the row instead."""
         r = tl.program_id(0).to(tl.int64)
         row, cols = Logits + r * stride, tl.arange(0, BLOCK)
         run_max = tl.full([BLOCK], -1e30, tl.float32)   # finite: a lane past V adds exp(-inf) = 0, not NaN
         run_sum = tl.zeros([BLOCK], tl.float32)
+        first = tl.full([BLOCK], -float("inf"), tl.float32)   # each lane's largest logits, largest first
+        second, third = first, first
+        first_id = tl.zeros([BLOCK], tl.int32)
+        second_id, third_id = first_id, first_id
         for start in range(0, V, BLOCK):
-            x = tl.load(row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            c = start + cols
+            x = tl.load(row + c, mask=c < V, other=float("-inf")).to(tl.float32)
             new_max = tl.maximum(run_max, x)
             run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
             run_max = new_max
+            if TOP > 0:
+                over_first, over_second, over_third = x > first, x > second, x > third
+                third = tl.where(over_second, second, tl.where(over_third, x, third))
+                third_id = tl.where(over_second, second_id, tl.where(over_third, c, third_id))
+                second = tl.where(over_first, first, tl.where(over_second, x, second))
+                second_id = tl.where(over_first, first_id, tl.where(over_second, c, second_id))
+                first = tl.where(over_first, x, first)
+                first_id = tl.where(over_first, c, first_id)
         top = tl.max(run_max, 0)
         log_z = top + tl.log(tl.sum(run_sum * tl.exp(run_max - top), 0))
         label, w = tl.load(Labels + r), tl.load(Weights + r).to(tl.float32)
         tl.store(RowLoss + r, w * (log_z - tl.load(row + label).to(tl.float32)))
-        # the lane maxima are logits of distinct columns, so the TOP-th largest of them is at most the
-        # row's TOP-th largest logit: every top-TOP logit is at least it
-        floor_value, kept = 0.0, 0
-        if TOP > 0:
-            floor = run_max
-            for _ in tl.static_range(TOP - 1):
-                floor = tl.where(cols == tl.argmax(floor, 0), -1e30, floor)
-            floor_value = tl.max(floor, 0)
         for start in range(0, V, BLOCK):
             c = start + cols
             x = tl.load(row + c, mask=c < V, other=0.0).to(tl.float32)
             grad = (tl.exp(x - log_z) - (c == label).to(tl.float32)) * w
             tl.store(Grad + r * V + c, grad.to(Grad.dtype.element_ty), mask=c < V)
-            if TOP > 0:
-                above = (x >= floor_value) & (c < V)
-                found = tl.sum(above.to(tl.int32), 0)
-                if found > 0:   # a few tiles of the row: the others skip the scan
-                    slot = kept + tl.cumsum(above.to(tl.int32), 0) - 1
-                    tl.store(TopValues + r * (CAP + TOP) + slot, x, mask=above & (slot < CAP))
-                    tl.store(TopIds + r * (CAP + TOP) + slot, c, mask=above & (slot < CAP))
-                    kept += found
         if TOP > 0:
-            tl.store(TopCount + r, kept)
-            if kept > CAP:   # ties crowd the floor (a constant row, say): the top TOP one by one, exactly
+            slots = tl.arange(0, TOP_SLOTS)
+            picked = tl.zeros([TOP_SLOTS], tl.int32)
+            taken = tl.zeros([BLOCK], tl.int32)
+            for j in tl.static_range(TOP):   # merge the lanes' sorted threes: the largest head each step
+                lane = cols == tl.argmax(first, 0)
+                picked = tl.where(slots == j, tl.sum(tl.where(lane, first_id, 0), 0), picked)
+                first, first_id = tl.where(lane, second, first), tl.where(lane, second_id, first_id)
+                second, second_id = tl.where(lane, third, second), tl.where(lane, third_id, second_id)
+                third = tl.where(lane, -float("inf"), third)
+                taken += lane.to(tl.int32)
+            if tl.max(taken, 0) >= 3:   # that lane's fourth might have been next: pick exactly instead
                 last_value, last_id = float("inf"), -1
-                for j in range(TOP):
+                for j in range(TOP):   # the largest after the last pick, by value, then lowest column
                     best_value, best_id = -float("inf"), V
                     for start in range(0, V, BLOCK):
                         c = start + cols
@@ -398,9 +404,9 @@ if triton is not None:
                         better = (tile_value > best_value) | ((tile_value == best_value) & (tile_id < best_id))
                         best_value = tl.where(better, tile_value, best_value)
                         best_id = tl.where(better, tile_id, best_id)
-                    tl.store(TopValues + r * (CAP + TOP) + CAP + j, best_value)
-                    tl.store(TopIds + r * (CAP + TOP) + CAP + j, best_id)
+                    picked = tl.where(slots == j, best_id, picked)
                     last_value, last_id = best_value, best_id
+            tl.store(TopIds + r * TOP + slots, picked, mask=slots < TOP)
 
 
 # a row's tile and the kernel's warps: 0.651 ms a chunk of 8,192 rows on the H200, 1.69× its floor (the
@@ -415,31 +421,20 @@ def triton_head_chunk_grad(logits, labels, row_weights, top_k: int = 0, block: i
     against 1.330 for head_chunk_grad compiled by inductor. Labels must lie in [0, V) (block_loss
     drops the rows without one; checking here would read them back to the host). log Z is summed at
     the scale of the largest logit, so far from 0 (|logits| in the hundreds) it rounds more than the
-    twin; a drafter's logits stay well inside that.
-
-    The top_k ids come from the same two passes, with no topk over the vocabulary: the second pass keeps
-    the few logits at or above a floor no higher than the row's k-th largest (about k of them), and a
-    topk over those few picks the k. Ties may pick other columns of the same logit than torch.topk."""
+    twin; a drafter's logits stay well inside that. The top_k ids come from the same first pass, with no
+    topk over the vocabulary; among equal logits they may be other columns than torch.topk's."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     labels, row_weights = labels.contiguous(), row_weights.contiguous()                # read at r, not r·stride
     (c, V), exact = logits.shape, torch.promote_types(logits.dtype, torch.float32)
     require(top_k <= V, f"top_k = {top_k} must be at most the vocabulary's {V}")
-    cap = 4 * top_k   # kept logits a row: about top_k are at the floor or above
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)          # (c, V)
     row_loss = torch.empty(c, dtype=exact, device=logits.device)                   # (c,)
-    kept_values = torch.empty(c, cap + top_k, dtype=torch.float32, device=logits.device)   # (c, cap + k)
-    kept_ids = torch.empty(c, cap + top_k, dtype=torch.int32, device=logits.device)        # (c, cap + k)
-    kept = torch.empty(c, dtype=torch.int32, device=logits.device)                          # (c,)
+    ids = torch.empty(c, top_k, dtype=torch.int32, device=logits.device)           # (c, k)
     if c:
-        _head_chunk_grad[(c,)](logits, labels, row_weights, grad, row_loss, kept_values, kept_ids, kept, V,
-                               logits.stride(0), BLOCK=block, TOP=top_k, CAP=cap, num_warps=warps)
-    if not top_k:
-        return row_loss.sum(), grad, top_ids(logits, 0)
-    slot = torch.arange(cap + top_k, device=logits.device)                          # (cap + k,)
-    crowded = (kept > cap)[:, None]                                                  # (c, 1): picked one by one
-    valid = torch.where(crowded, slot >= cap, slot < kept[:, None])                  # (c, cap + k)
-    best = kept_values.masked_fill(~valid, float("-inf")).topk(top_k, dim=-1).indices   # (c, k)
-    return row_loss.sum(), grad, kept_ids.gather(1, best).long()
+        _head_chunk_grad[(c,)](logits, labels, row_weights, grad, row_loss, ids, V, logits.stride(0),
+                               BLOCK=block, TOP=top_k, TOP_SLOTS=triton.next_power_of_2(max(top_k, 1)),
+                               num_warps=warps)
+    return row_loss.sum(), grad, ids.long()
 
 
 # -----------------------------------------------------------------------------
