@@ -165,8 +165,8 @@ def bench_train(target, layers: int, sequences, batch: int, losses: dict, steps:
         if compiled:
             train.compile_drafter(drafter)   # as train --compile compiles it
         store, loss_fn = {"cached": cached, "live": live}[store_name], losses[loss_name]
-        if compiled and loss_name == "chunked":   # as train --compile: the head's loss chunk compiled too
-            loss_fn = functools.partial(objective.block_loss, chunk_grad=objective.head_loss_chunk(True))
+        if loss_name == "chunked":   # as train: the head's loss chunk head_loss_chunk's, compiled with --compile
+            loss_fn = functools.partial(objective.block_loss, chunk_grad=objective.head_loss_chunk(compiled))
         # batches of their own for each run: shapes that an earlier run met are cheaper to meet again
         # (cuDNN plans, the allocator), and training rarely meets a shape twice
         g = torch.Generator().manual_seed(run)
