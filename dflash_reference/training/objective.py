@@ -392,7 +392,7 @@ if triton is not None:
                 taken += lane.to(tl.int32)
             if tl.max(taken, 0) >= 3:   # that lane's fourth might have been next: pick exactly instead
                 last_value, last_id = float("inf"), -1
-                for j in range(TOP):   # the largest after the last pick, by value, then lowest column
+                for pick in range(TOP):   # the largest after the last pick, by value, then lowest column
                     best_value, best_id = -float("inf"), V
                     for start in range(0, V, BLOCK):
                         c = start + cols
@@ -404,7 +404,7 @@ if triton is not None:
                         better = (tile_value > best_value) | ((tile_value == best_value) & (tile_id < best_id))
                         best_value = tl.where(better, tile_value, best_value)
                         best_id = tl.where(better, tile_id, best_id)
-                    picked = tl.where(slots == j, best_id, picked)
+                    picked = tl.where(slots == pick, best_id, picked)
                     last_value, last_id = best_value, best_id
             tl.store(TopIds + r * TOP + slots, picked, mask=slots < TOP)
 
