@@ -444,7 +444,7 @@ def test_distill_refuses_a_skip_past_the_prompts(tmp_path):
 
 
 @pytest.mark.package
-def test_distill_resume_refuses_answers_from_another_source(tmp_path):
+def test_distill_resume_refuses_answers_from_another_source(tmp_path, capsys):
     """`distill --resume` keeps going only on the answers of the same prompts and target: answers made from
     another prompt file, whose indices would match, are refused with one line rather than taken as done."""
     for name, texts in (("a", ["Hi", "Hello"]), ("b", ["Name a colour.", "Count to three."])):
@@ -452,17 +452,16 @@ def test_distill_resume_refuses_answers_from_another_source(tmp_path):
                                                                              "max_prompt_tokens": 256})
     common = ["--target", str(loading.ensure_smollm2()), "--out", str(tmp_path / "d.pt"), "--max-new-tokens", "4",
               "--device", "cpu"]
-    first = run_train_cli("distill", "--prompts", str(tmp_path / "a.json.xz"), *common)
-    assert first.returncode == 0, first.stderr
-    again = run_train_cli("distill", "--prompts", str(tmp_path / "b.json.xz"), "--resume", *common)
-    assert again.returncode == 2 and "Traceback" not in again.stderr
-    assert again.stderr.strip().endswith(f"error: --resume: {tmp_path / 'd.pt'} has source = prompts a, this run "
-                                         "prompts b")
+    train.main(["distill", "--prompts", str(tmp_path / "a.json.xz"), *common])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as again:
+        scripts.run(train.main, argv=["distill", "--prompts", str(tmp_path / "b.json.xz"), "--resume", *common])
+    assert again.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --resume: {tmp_path / 'd.pt'} has source = prompts a, this run prompts b")
     assert len(distill.load_sequences(tmp_path / "d.pt")[0]) == 2
     slash = [a + "/" if a == str(loading.ensure_smollm2()) else a for a in common]   # the same dir, written otherwise
-    more = run_train_cli("distill", "--prompts", str(tmp_path / "a.json.xz"), "--temperatures", "0", "0.8",
-                         "--resume", *slash)
-    assert more.returncode == 0, more.stderr
+    train.main(["distill", "--prompts", str(tmp_path / "a.json.xz"), "--temperatures", "0", "0.8", "--resume", *slash])
     assert len(distill.load_sequences(tmp_path / "d.pt")[0]) == 4   # the two greedy answers kept, two sampled added
 
 
