@@ -512,20 +512,14 @@ def head_kernel_top_k(device, dtypes, cases=((37, 1000, 5), (6, 100, 16)), block
     return results
 
 
-def check_head_kernel_top_k(results: dict):
-    assert results
-    for key, r in results.items():
-        assert all(r.values()), (key, r)
-
-
 def test_head_kernel_top_k_under_the_triton_interpreter():
     """The head loss kernel's top k, taken in its two passes over each row (the logits at or above a floor
     from the first pass's lane maxima; where ties crowd the floor, picked one at a time), run by Triton's
     CPU interpreter in fp32 and fp16: torch.topk's values in order from distinct columns, and the loss
-    and gradient unchanged (`check_head_kernel_top_k`)."""
+    and gradient unchanged (every check true: `check_topk`)."""
     results = under_the_triton_interpreter("head_kernel_top_k('cpu', [torch.float32, torch.float16])")
     assert len(results) == 2 * 2
-    check_head_kernel_top_k(results)
+    check_topk(results)
 
 
 def test_head_kernel_under_the_triton_interpreter():
@@ -552,4 +546,4 @@ def test_head_kernel_on_cuda():
     results |= head_kernel_top_k("cuda", [torch.bfloat16], cases=((objective.CE_CHUNK, 49152, 16), (1000, 151936, 16)),
                                  block=objective.HEAD_BLOCK)
     print(results)
-    check_head_kernel_top_k(results)
+    check_topk(results)
