@@ -524,7 +524,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
                 picked_logits.append(logits.gather(1, ids).to(exact))                 # (c, k + 1)
         ids = torch.cat(picked) if top_k else labels.new_empty(len(rows), 0)          # (R, k + 1)
         ctx.save_for_backward(torch.cat(grads).to(hidden.dtype), weight, ids)         # (M, H), W, ids
-        ctx.top_k, ctx.hidden_dtype = top_k, hidden.dtype
+        ctx.hidden_dtype = hidden.dtype
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(ids)
         return loss, ids, torch.cat(picked_logits) if top_k else loss.new_empty(len(rows), 0)
@@ -533,7 +533,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _, grad_picked_logits):
         grad, weight, ids = ctx.saved_tensors
         grad_hidden = None if grad_loss is None else grad * grad_loss.to(grad.dtype)   # (M, H)
-        if ctx.top_k and grad_picked_logits is not None:
+        if grad_picked_logits is not None and ids.shape[1]:   # top_k given, its logits used
             with torch.autocast(grad.device.type, enabled=False):
                 through_picks = F.embedding_bag(ids, weight, mode="sum",
                                                 per_sample_weights=grad_picked_logits.to(weight.dtype))   # (R, H)
