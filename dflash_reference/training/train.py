@@ -396,17 +396,19 @@ def my_part(indices: list[int], batch_size: int) -> list[int]:
     return [j for i in range(0, len(indices), batch_size) for j in indices[i:i + batch_size][rank::world]]
 
 
-def sum_gradients(module):
-    """Every parameter's gradient summed over the ranks in one all_reduce (zeros where a rank drew no block):
-    each rank's loss is its part of the batch's, over the whole batch's weight, so the sum is the batch's."""
+def sum_over_ranks(module, loss):
+    """Every parameter's gradient and the loss summed over the ranks in one all_reduce (zeros where a rank
+    drew no block) -> the batch's loss: each rank's loss is its part of the batch's, over the whole batch's
+    weight, so the sum is the batch's. Alone, the loss as it is."""
     if not dist.is_initialized():
-        return
+        return loss
     params = [q for q in module.parameters() if q.requires_grad]
     grads = [torch.zeros_like(q) if q.grad is None else q.grad for q in params]
-    flat = torch.cat([g.flatten() for g in grads])
+    flat = torch.cat([g.flatten() for g in grads] + [loss.detach().reshape(1).to(grads[0].dtype)])
     dist.all_reduce(flat)
-    for q, g in zip(params, flat.split([g.numel() for g in grads])):
+    for q, g in zip(params, flat.split([g.numel() for g in grads] + [1])):
         q.grad = g.view_as(q)
+    return flat[-1].clone()   # not a view: the gradients' buffer goes with the step
 
 
 def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Sequence], cfg: TrainConfig,
@@ -536,10 +538,7 @@ def train(target, drafter: Drafter, sequences: list[Sequence], heldout: list[Seq
                         loss.backward()
                     else:   # this rank drew nothing: its part of the sum is zero
                         loss = torch.zeros((), device=device)
-                    sum_gradients(drafter)
-                    if world > 1:
-                        loss = loss.detach().clone()
-                        dist.all_reduce(loss)
+                    loss = sum_over_ranks(drafter, loss)
                     torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
                     optimizer.step()
                     schedule.step()
